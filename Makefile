@@ -1,0 +1,40 @@
+# Thin targets, identical to what CI runs. Every target installs what it needs.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install services demo test lint bench schemas clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+services:
+	bash scripts/ensure-services.sh
+
+demo: install services
+	$(BIN)/custody demo
+
+test: install services
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/custody contracts schemas --check
+
+bench: install services
+	$(BIN)/python -m bench.run
+
+schemas: install
+	$(BIN)/custody contracts schemas
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,96 @@
+"""The canonical semantic digest of a command.
+
+Canonical form (``custody.digest.v1``), so that a participant in another language can
+compute the same bytes:
+
+* a JSON object ``{"v": "custody.digest.v1", "tenant", "operation_id", "attempt",
+  "operation", "target": {"route", "owner", "binding"}, "input", "lineage"}``;
+* object keys sorted by Unicode code point, no insignificant white space, UTF-8,
+  strings escaped as JSON requires (non-ASCII characters are written as themselves);
+* numbers are integers in the interoperable range ``[-(2**53-1), 2**53-1]``; floats
+  are not allowed anywhere in the digest domain (send decimals as strings);
+* the digest is the lowercase hex SHA-256 of those bytes.
+
+Transport facts (tracing headers, delivery tags, the redelivered flag, publish time,
+``issued_at``, ``deadline``) are deliberately not part of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+DIGEST_VERSION = "custody.digest.v1"
+MAX_SAFE_INTEGER = 2**53 - 1
+MAX_DEPTH = 32
+
+JsonValue = None | bool | int | str | list["JsonValue"] | dict[str, "JsonValue"]
+
+
+class CanonicalFormError(ValueError):
+    """A value cannot be put in canonical form (float, huge integer, too deep, bad key)."""
+
+
+def check_json_value(value: object, depth: int = 0) -> None:
+    """Raise :class:`CanonicalFormError` unless ``value`` is in the digest domain."""
+    if depth > MAX_DEPTH:
+        raise CanonicalFormError(f"nested deeper than {MAX_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+            raise CanonicalFormError("integer outside the interoperable range ±(2**53-1)")
+        return
+    if isinstance(value, float):
+        raise CanonicalFormError("floats are not allowed; send decimals as strings")
+    if isinstance(value, list):
+        for item in value:
+            check_json_value(item, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CanonicalFormError("object keys must be strings")
+            check_json_value(item, depth + 1)
+        return
+    raise CanonicalFormError(f"{type(value).__name__} is not a JSON value")
+
+
+def canonical_bytes(value: Mapping[str, Any]) -> bytes:
+    """The canonical JSON bytes of ``value`` (sorted keys, compact, UTF-8)."""
+    check_json_value(dict(value))
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def command_digest(
+    *,
+    tenant: str,
+    operation_id: str,
+    attempt: int,
+    operation: str,
+    route: str,
+    owner: str,
+    binding: str,
+    input: Mapping[str, Any],
+    lineage: Mapping[str, Any],
+) -> str:
+    """SHA-256 (hex) over the canonical form of the fields that define the work."""
+    body = {
+        "v": DIGEST_VERSION,
+        "tenant": tenant,
+        "operation_id": operation_id,
+        "attempt": attempt,
+        "operation": operation,
+        "target": {"route": route, "owner": owner, "binding": binding},
+        "input": dict(input),
+        "lineage": dict(lineage),
+    }
+    return hashlib.sha256(canonical_bytes(body)).hexdigest()
+
+
+def content_hash(value: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of an arbitrary JSON object's canonical form (receipt content)."""
+    return hashlib.sha256(canonical_bytes(value)).hexdigest()

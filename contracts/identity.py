@@ -1,0 +1,39 @@
+"""Deterministic identities, derived from lineage and never random per try.
+
+Re-creating the same transition (after a crash or a restore) yields the same ids,
+so the participant deduplicates instead of executing twice. Test vectors for these
+live in ``contracts/vectors/identity.json``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+NAMESPACE = uuid.UUID("6f6b9d8e-2a55-4c1e-9a51-637573746f64")
+
+CommandKind = Literal["submit", "query", "cancel"]
+
+
+def _derive(*parts: object) -> str:
+    return str(uuid.uuid5(NAMESPACE, "|".join(str(p) for p in parts)))
+
+
+def instance_id(tenant: str, start_request_id: str) -> str:
+    return _derive("instance", tenant, start_request_id)
+
+
+def operation_id(tenant: str, instance: str, node: str, activation: int) -> str:
+    return _derive("operation", tenant, instance, node, activation)
+
+
+def request_id(operation: str, attempt: int, kind: CommandKind, sequence: int = 1) -> str:
+    return _derive("request", operation, attempt, kind, sequence)
+
+
+def receipt_id(request: str, owner_revision: int) -> str:
+    return _derive("receipt", request, owner_revision)
+
+
+def answer_id(query_request: str, owner_revision: int) -> str:
+    return _derive("answer", query_request, owner_revision)

@@ -1,0 +1,71 @@
+"""Handlers of the sample participants. Each effect is a row in the participant's own
+database, written in the transaction that also commits the terminal receipt."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from workers.participant import BusinessFailure, Call, Handler
+
+CHARGE_LIMIT_CENTS: Final = 100_000
+
+
+async def reserve(call: Call) -> Mapping[str, Any]:
+    sku, quantity = call.input["sku"], call.input["quantity"]
+    rows = await call.tx.business(
+        "UPDATE stock SET available = available - %s WHERE sku = %s AND available >= %s"
+        " RETURNING available",
+        (quantity, sku, quantity),
+    )
+    if not rows:
+        raise BusinessFailure("out_of_stock", f"not enough {sku} for {quantity}")
+    await call.tx.business(
+        "INSERT INTO reservations (operation_id, order_id, sku, quantity) VALUES (%s, %s, %s, %s)",
+        (call.operation_id, call.input["order_id"], sku, quantity),
+    )
+    return {"reservation_id": call.operation_id, "sku": sku, "quantity": quantity}
+
+
+async def release(call: Call) -> Mapping[str, Any]:
+    sku, quantity = call.input["sku"], call.input["quantity"]
+    await call.tx.business(
+        "UPDATE stock SET available = available + %s WHERE sku = %s", (quantity, sku)
+    )
+    await call.tx.business(
+        "INSERT INTO releases (operation_id, order_id, sku, quantity) VALUES (%s, %s, %s, %s)",
+        (call.operation_id, call.input["order_id"], sku, quantity),
+    )
+    return {"released": quantity}
+
+
+async def charge(call: Call) -> Mapping[str, Any]:
+    amount = call.input["amount_cents"]
+    if amount > CHARGE_LIMIT_CENTS:
+        raise BusinessFailure("declined", f"{amount} cents is over the card limit")
+    await call.tx.business(
+        "INSERT INTO charges (operation_id, order_id, amount_cents) VALUES (%s, %s, %s)",
+        (call.operation_id, call.input["order_id"], amount),
+    )
+    return {"charge_id": call.operation_id, "amount_cents": amount}
+
+
+async def ship(call: Call) -> Mapping[str, Any]:
+    await call.tx.business(
+        "INSERT INTO shipments (operation_id, order_id, address) VALUES (%s, %s, %s)",
+        (call.operation_id, call.input["order_id"], call.input["address"]),
+    )
+    return {"tracking": "TRK-" + call.operation_id[:8].upper()}
+
+
+HANDLERS: Final[Mapping[str, Mapping[str, Handler]]] = {
+    "inventory": {"inventory.reserve": reserve, "inventory.release": release},
+    "payments": {"payments.charge": charge},
+    "shipping": {"shipping.ship": ship},
+}
+
+EFFECT_TABLES: Final[Mapping[str, tuple[str, ...]]] = {
+    "inventory": ("reservations", "releases"),
+    "payments": ("charges",),
+    "shipping": ("shipments",),
+}

@@ -1,0 +1,230 @@
+-- custody engine schema. The truth: Python enums are tested against these types.
+-- Applied by `custody db migrate` (idempotent, serialised by an advisory lock),
+-- never as a side effect of a worker starting.
+
+CREATE SCHEMA IF NOT EXISTS custody;
+
+DO $$ BEGIN
+  CREATE TYPE custody.operation_status AS ENUM (
+    'pending', 'dispatched', 'accepted', 'succeeded', 'failed', 'retry_waiting',
+    'outcome_unknown', 'reconcile_pending', 'cancelling', 'cancelled');
+EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+
+DO $$ BEGIN
+  CREATE TYPE custody.effect AS ENUM ('none', 'applied', 'unknown');
+EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+
+DO $$ BEGIN
+  CREATE TYPE custody.instance_status AS ENUM (
+    'running', 'suspended', 'cancelling', 'cancelled', 'completed', 'failed');
+EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+
+-- One row: global switches. dispatch_paused stops the outbox publisher from
+-- publishing commands (restore runbook); restore_generation is bumped by a restore.
+CREATE TABLE IF NOT EXISTS custody.control (
+  singleton          boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+  dispatch_paused    boolean NOT NULL DEFAULT false,
+  restore_generation integer NOT NULL DEFAULT 1,
+  updated_at         timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO custody.control (singleton) VALUES (true) ON CONFLICT DO NOTHING;
+
+-- Worker leases: every engine commit checks its holder's epoch and expiry inside
+-- its own transaction (fencing); time is the database's, never the worker's clock.
+CREATE TABLE IF NOT EXISTS custody.leases (
+  holder      text PRIMARY KEY,
+  worker      text NOT NULL,
+  epoch       bigint NOT NULL,
+  acquired_at timestamptz NOT NULL DEFAULT now(),
+  expires_at  timestamptz NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS custody.instances (
+  id               uuid PRIMARY KEY,
+  tenant           text NOT NULL,
+  start_request_id uuid NOT NULL,
+  process          text NOT NULL,
+  process_version  integer NOT NULL,
+  input            jsonb NOT NULL,
+  status           custody.instance_status NOT NULL,
+  requested_by     text NOT NULL,
+  traceparent      text,
+  routes           jsonb NOT NULL,
+  created_at       timestamptz NOT NULL DEFAULT now(),
+  updated_at       timestamptz NOT NULL DEFAULT now(),
+  finished_at      timestamptz,
+  UNIQUE (tenant, start_request_id)
+);
+CREATE INDEX IF NOT EXISTS instances_status ON custody.instances (status)
+  WHERE status NOT IN ('completed', 'failed', 'cancelled');
+
+-- Node activations of an instance. (instance, node, activation) is the lineage that
+-- the operation id is derived from.
+CREATE TABLE IF NOT EXISTS custody.node_states (
+  instance_id  uuid NOT NULL REFERENCES custody.instances (id),
+  node         text NOT NULL,
+  activation   integer NOT NULL,
+  operation_id uuid NOT NULL,
+  status       text NOT NULL,
+  created_at   timestamptz NOT NULL DEFAULT now(),
+  updated_at   timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY (instance_id, node, activation)
+);
+
+CREATE TABLE IF NOT EXISTS custody.history (
+  id           bigserial PRIMARY KEY,
+  instance_id  uuid NOT NULL,
+  operation_id uuid,
+  event        text NOT NULL,
+  detail       jsonb NOT NULL DEFAULT '{}',
+  actor        text NOT NULL,
+  at           timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS history_instance ON custody.history (instance_id, id);
+
+-- An operation pins its route, owner, principal and binding at creation: later
+-- configuration never redirects it.
+CREATE TABLE IF NOT EXISTS custody.operations (
+  id              uuid PRIMARY KEY,
+  tenant          text NOT NULL,
+  instance_id     uuid NOT NULL REFERENCES custody.instances (id),
+  node            text NOT NULL,
+  activation      integer NOT NULL,
+  operation       text NOT NULL,
+  route           text NOT NULL,
+  owner           text NOT NULL,
+  principal       text NOT NULL,
+  binding         text NOT NULL,
+  input           jsonb NOT NULL,
+  lineage         jsonb NOT NULL,
+  attempt         integer NOT NULL,
+  digest          text NOT NULL,
+  status          custody.operation_status NOT NULL,
+  effect          custody.effect NOT NULL DEFAULT 'unknown',
+  owner_revision  integer NOT NULL DEFAULT 0,
+  receipt_hash    text,
+  result          jsonb,
+  error           jsonb,
+  deadline_seconds integer NOT NULL,
+  deadline_at     timestamptz,
+  created_at      timestamptz NOT NULL DEFAULT now(),
+  updated_at      timestamptz NOT NULL DEFAULT now(),
+  finished_at     timestamptz,
+  UNIQUE (instance_id, node, activation)
+);
+CREATE INDEX IF NOT EXISTS operations_open ON custody.operations (status, deadline_at)
+  WHERE status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- Every command identity the engine issued: attempt, kind and the digest it binds.
+CREATE TABLE IF NOT EXISTS custody.attempts (
+  request_id   uuid PRIMARY KEY,
+  operation_id uuid NOT NULL REFERENCES custody.operations (id),
+  attempt      integer NOT NULL,
+  kind         text NOT NULL CHECK (kind IN ('submit', 'query', 'cancel')),
+  digest       text NOT NULL,
+  created_at   timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS attempts_operation ON custody.attempts (operation_id, attempt);
+
+-- Dispatch intent. id is the command's request id and the AMQP message_id, so a
+-- re-created transition yields the same message, which the participant deduplicates.
+CREATE TABLE IF NOT EXISTS custody.outbox (
+  id               uuid PRIMARY KEY,
+  exchange         text NOT NULL,
+  routing_key      text NOT NULL,
+  body             bytea NOT NULL,
+  headers          jsonb NOT NULL DEFAULT '{}',
+  operation_id     uuid,
+  status           text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'published')),
+  claimed_by       text,
+  claim_expires_at timestamptz,
+  publish_attempts integer NOT NULL DEFAULT 0,
+  next_attempt_at  timestamptz NOT NULL DEFAULT now(),
+  last_error       text,
+  created_at       timestamptz NOT NULL DEFAULT now(),
+  published_at     timestamptz
+);
+CREATE INDEX IF NOT EXISTS outbox_pending ON custody.outbox (next_attempt_at)
+  WHERE status = 'pending';
+
+-- Exactly-once receipt application: a receipt id changes engine state at most once.
+CREATE TABLE IF NOT EXISTS custody.receipt_inbox (
+  receipt_id     uuid PRIMARY KEY,
+  operation_id   uuid NOT NULL,
+  attempt        integer NOT NULL,
+  owner_revision integer NOT NULL,
+  status         text NOT NULL,
+  content_hash   text NOT NULL,
+  decision       text NOT NULL,
+  received_at    timestamptz NOT NULL DEFAULT now()
+);
+
+-- Next-step intent, written with the validated result that caused it; at most one
+-- per finished operation.
+CREATE TABLE IF NOT EXISTS custody.successor_intents (
+  id                bigserial PRIMARY KEY,
+  instance_id       uuid NOT NULL,
+  from_operation_id uuid NOT NULL UNIQUE,
+  outcome           text NOT NULL,
+  next_node         text,
+  status            text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'done')),
+  created_at        timestamptz NOT NULL DEFAULT now(),
+  done_at           timestamptz
+);
+CREATE INDEX IF NOT EXISTS successor_intents_pending ON custody.successor_intents (id)
+  WHERE status = 'pending';
+
+-- Messages refused at the trust boundary, with a machine-readable reason.
+CREATE TABLE IF NOT EXISTS custody.quarantine (
+  id           bigserial PRIMARY KEY,
+  source       text NOT NULL,
+  reason       text NOT NULL,
+  detail       text NOT NULL,
+  message_id   text,
+  user_id      text,
+  tenant       text,
+  operation_id uuid,
+  body         bytea NOT NULL,
+  headers      jsonb NOT NULL DEFAULT '{}',
+  worker       text NOT NULL,
+  received_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS quarantine_reason ON custody.quarantine (reason, received_at);
+
+CREATE TABLE IF NOT EXISTS custody.audit (
+  id      bigserial PRIMARY KEY,
+  actor   text NOT NULL,
+  action  text NOT NULL,
+  tenant  text,
+  target  text,
+  reason  text NOT NULL,
+  inputs  jsonb NOT NULL DEFAULT '{}',
+  outcome text NOT NULL,
+  at      timestamptz NOT NULL DEFAULT now()
+);
+
+-- Wake-up hints; every worker also polls, because NOTIFY is not a delivery guarantee.
+CREATE OR REPLACE FUNCTION custody.notify_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_notify('custody_outbox', ''); RETURN NULL; END $$;
+CREATE OR REPLACE FUNCTION custody.notify_successor() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_notify('custody_successor', ''); RETURN NULL; END $$;
+
+DROP TRIGGER IF EXISTS outbox_notify ON custody.outbox;
+CREATE TRIGGER outbox_notify AFTER INSERT ON custody.outbox
+  FOR EACH STATEMENT EXECUTE FUNCTION custody.notify_outbox();
+DROP TRIGGER IF EXISTS successor_notify ON custody.successor_intents;
+CREATE TRIGGER successor_notify AFTER INSERT ON custody.successor_intents
+  FOR EACH STATEMENT EXECUTE FUNCTION custody.notify_successor();
+
+-- Fencing: called last inside every engine commit. A worker paused past its lease
+-- (a zombie) fails here, inside its own transaction, whatever its local clock says.
+CREATE OR REPLACE FUNCTION custody.fence(p_holder text, p_epoch bigint)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM 1 FROM custody.leases
+   WHERE holder = p_holder AND epoch = p_epoch AND expires_at > clock_timestamp();
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'lease % epoch % is not current', p_holder, p_epoch
+      USING ERRCODE = 'CU001';
+  END IF;
+END $$;

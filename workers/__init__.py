@@ -1,0 +1,1 @@
+"""custody workers: one module per worker, one commit boundary each."""

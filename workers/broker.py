@@ -1,0 +1,369 @@
+"""The one module that talks to RabbitMQ (AMQP through aio-pika, policies and users
+through the management HTTP API).
+
+Publishing counts only a broker confirm: channels are opened with
+``publisher_confirms=True, on_return_raises=True``, every publish is ``mandatory``
+and carries ``message_id``, so an unroutable message is a failure, not a success
+(aio-pika 10.2.1 on a default confirm channel returns normally on a return).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aio_pika
+import aiormq
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractRobustConnection,
+    DeliveryMode,
+)
+from pamqp import commands as spec
+
+from workers import errors
+
+EXCHANGE_COMMANDS: Final = "custody.commands"
+EXCHANGE_RECEIPTS: Final = "custody.receipts"
+EXCHANGE_REQUESTS: Final = "custody.requests"
+EXCHANGE_DEAD: Final = "custody.dead"
+QUEUE_RECEIPTS: Final = "custody.receipts"
+QUEUE_REQUESTS: Final = "custody.requests"
+QUEUE_DEAD: Final = "custody.dead-letters"
+RECEIPTS_KEY: Final = "receipts"
+START_KEY: Final = "start"
+CANCEL_KEY: Final = "cancel"
+POLICY_NAME: Final = "custody-queues"
+POLICY_PATTERN: Final = r"^custody\.(commands\..+|receipts|requests)$"
+
+
+def command_queue(binding: str) -> str:
+    return f"custody.commands.{binding}"
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message to publish: the outbox row's id is the AMQP message_id."""
+
+    message_id: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    message_id: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class Delivery:
+    """An incoming message with what the workers may rely on."""
+
+    body: bytes
+    message_id: str | None
+    user_id: str | None
+    headers: Mapping[str, Any]
+    redelivered: bool
+    routing_key: str
+    _message: AbstractIncomingMessage
+
+    async def ack(self) -> None:
+        """Ack on the channel it came from; a closed channel means the broker will
+        redeliver it, and the consumer's idempotency handles that."""
+        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+            await self._message.ack()
+
+    async def reject(self) -> None:
+        """Reject without requeue: the queue's policy dead-letters it."""
+        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+            await self._message.reject(requeue=False)
+
+    async def requeue(self) -> None:
+        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+            await self._message.nack(requeue=True)
+
+
+def _delivery(message: AbstractIncomingMessage) -> Delivery:
+    return Delivery(
+        body=message.body,
+        message_id=message.message_id,
+        user_id=message.user_id,
+        headers=dict(message.headers or {}),
+        redelivered=bool(message.redelivered),
+        routing_key=message.routing_key or "",
+        _message=message,
+    )
+
+
+class Broker:
+    """A robust connection; channels for consuming and for confirmed publishing."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.name = name
+        self._conn: AbstractRobustConnection | None = None
+
+    async def connect(self) -> None:
+        try:
+            self._conn = await aio_pika.connect_robust(
+                self.url, client_properties={"connection_name": f"custody-{self.name}"}
+            )
+        except (aiormq.exceptions.AMQPError, OSError) as exc:
+            raise errors.BrokerError(f"cannot connect to RabbitMQ: {exc}", errors.Retry.RETRY) from exc
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed and self._conn.connected.is_set()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+
+    def _connection(self) -> AbstractRobustConnection:
+        if self._conn is None:
+            raise errors.BrokerError("not connected", errors.Retry.FATAL)
+        return self._conn
+
+    @contextlib.asynccontextmanager
+    async def consume(
+        self, queues: Sequence[str], prefetch: int
+    ) -> AsyncIterator[asyncio.Queue[Delivery]]:
+        """Deliveries of ``queues`` into an asyncio queue, manual ack; cancelled on exit."""
+        channel = await self._connection().channel()
+        await channel.set_qos(prefetch_count=prefetch)
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        tags: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            await inbox.put(_delivery(message))
+
+        try:
+            for name in queues:
+                queue = await channel.get_queue(name, ensure=True)
+                tags.append((queue, await queue.consume(on_message, no_ack=False)))
+            yield inbox
+        except aiormq.exceptions.AMQPError as exc:
+            raise errors.BrokerError(f"consume {list(queues)}: {exc}", errors.Retry.RETRY) from exc
+        finally:
+            for queue, tag in tags:
+                with contextlib.suppress(Exception):
+                    await queue.cancel(tag)
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def publisher(self, *, window: int, timeout_s: float, user_id: str | None) -> Publisher:
+        return Publisher(self, window=window, timeout_s=timeout_s, user_id=user_id)
+
+    async def _confirm_channel(self) -> AbstractChannel:
+        return await self._connection().channel(publisher_confirms=True, on_return_raises=True)
+
+
+class Publisher:
+    """Confirmed publishing with a bounded window of unconfirmed messages."""
+
+    def __init__(self, broker: Broker, *, window: int, timeout_s: float, user_id: str | None) -> None:
+        self._broker = broker
+        self._window = asyncio.Semaphore(window)
+        self._timeout_s = timeout_s
+        self._user_id = user_id
+        self._channel: AbstractChannel | None = None
+
+    async def _ready(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            self._channel = await self._broker._confirm_channel()
+        return self._channel
+
+    async def publish_many(self, items: Sequence[Outgoing]) -> list[Outcome]:
+        """Publish all; each outcome is ok only on a positive, non-returned confirm."""
+        try:
+            channel = await self._ready()
+        except (aiormq.exceptions.AMQPError, OSError, RuntimeError) as exc:
+            return [Outcome(i.message_id, False, f"channel: {exc}") for i in items]
+        return list(await asyncio.gather(*(self._one(channel, i) for i in items)))
+
+    async def _one(self, channel: AbstractChannel, item: Outgoing) -> Outcome:
+        message = aio_pika.Message(
+            item.body,
+            message_id=item.message_id,
+            content_type="application/json",
+            delivery_mode=DeliveryMode.PERSISTENT,
+            headers=dict(item.headers),
+            user_id=self._user_id,
+        )
+        async with self._window:
+            try:
+                exchange = await channel.get_exchange(item.exchange, ensure=False)
+                confirm = await exchange.publish(
+                    message, item.routing_key, mandatory=True, timeout=self._timeout_s
+                )
+            except aio_pika.exceptions.PublishError as exc:
+                return Outcome(item.message_id, False, f"returned: {exc}")
+            except aio_pika.exceptions.DeliveryError as exc:
+                return Outcome(item.message_id, False, f"nacked: {exc}")
+            except TimeoutError:
+                return Outcome(item.message_id, False, "confirm timeout (outcome unknown)")
+            except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError,
+                    OSError, RuntimeError) as exc:
+                return Outcome(item.message_id, False, f"channel: {type(exc).__name__}: {exc}")
+        if not isinstance(confirm, spec.Basic.Ack):
+            return Outcome(item.message_id, False, f"not confirmed: {confirm!r}")
+        return Outcome(item.message_id, True)
+
+
+# Topology -------------------------------------------------------------------------
+
+
+def policy_definition(delivery_limit: int) -> dict[str, Any]:
+    """The one policy for every custody queue: DLX and an explicit delivery limit.
+
+    RabbitMQ 3.10 quorum queues have no default delivery limit, and a limit without a
+    dead-letter exchange silently drops the poison message: set both, always.
+    """
+    return {
+        "pattern": POLICY_PATTERN,
+        "apply-to": "queues",
+        "priority": 10,
+        "definition": {
+            "dead-letter-exchange": EXCHANGE_DEAD,
+            "delivery-limit": delivery_limit,
+            "dead-letter-strategy": "at-least-once",
+            "overflow": "reject-publish",
+        },
+    }
+
+
+def topology(bindings: Sequence[str]) -> dict[str, Any]:
+    """Exchanges, quorum queues and bindings, as data (also written to definitions.json)."""
+    exchanges = [
+        {"name": EXCHANGE_COMMANDS, "type": "direct"},
+        {"name": EXCHANGE_RECEIPTS, "type": "direct"},
+        {"name": EXCHANGE_REQUESTS, "type": "direct"},
+        {"name": EXCHANGE_DEAD, "type": "topic"},
+    ]
+    queues = [command_queue(b) for b in bindings] + [QUEUE_RECEIPTS, QUEUE_REQUESTS, QUEUE_DEAD]
+    binds = (
+        [(EXCHANGE_COMMANDS, command_queue(b), b) for b in bindings]
+        + [(EXCHANGE_RECEIPTS, QUEUE_RECEIPTS, RECEIPTS_KEY)]
+        + [(EXCHANGE_REQUESTS, QUEUE_REQUESTS, START_KEY), (EXCHANGE_REQUESTS, QUEUE_REQUESTS, CANCEL_KEY)]
+        + [(EXCHANGE_DEAD, QUEUE_DEAD, "#")]
+    )
+    return {"exchanges": exchanges, "queues": queues, "bindings": binds}
+
+
+async def apply_topology(broker: Broker, bindings: Sequence[str], delivery_limit: int,
+                         management_url: str) -> dict[str, Any]:
+    """Declare everything idempotently, then set the queue policy. Returns what it did."""
+    plan = topology(bindings)
+    channel = await broker._connection().channel()
+    try:
+        for ex in plan["exchanges"]:
+            await channel.declare_exchange(ex["name"], ex["type"], durable=True)
+        for name in plan["queues"]:
+            await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+        for exchange, queue, key in plan["bindings"]:
+            q = await channel.get_queue(queue, ensure=False)
+            await q.bind(exchange, key)
+    except aiormq.exceptions.AMQPError as exc:
+        raise errors.BrokerError(f"topology: {exc}", errors.Retry.FATAL) from exc
+    finally:
+        await channel.close()
+    vhost = vhost_of(broker.url)
+    await management(management_url, "PUT", f"/api/policies/{_q(vhost)}/{POLICY_NAME}",
+                     policy_definition(delivery_limit))
+    return plan
+
+
+def vhost_of(amqp_url: str) -> str:
+    path = urllib.parse.urlparse(amqp_url).path
+    return urllib.parse.unquote(path[1:]) if len(path) > 1 else "/"
+
+
+def user_of(amqp_url: str) -> str:
+    return urllib.parse.unquote(urllib.parse.urlparse(amqp_url).username or "guest")
+
+
+def _q(value: str) -> str:
+    return urllib.parse.quote(value, safe="")
+
+
+async def management(base_url: str, method: str, path: str, body: Any = None) -> Any:
+    """Call the RabbitMQ management HTTP API (policies, vhosts, users, queue depths)."""
+
+    def call() -> Any:
+        parsed = urllib.parse.urlparse(base_url)
+        netloc = parsed.hostname or "127.0.0.1"
+        if parsed.port:
+            netloc += f":{parsed.port}"
+        url = f"{parsed.scheme}://{netloc}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method)
+        user = urllib.parse.unquote(parsed.username or "guest")
+        password = urllib.parse.unquote(parsed.password or "guest")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise errors.BrokerError(
+                f"management {method} {path}: HTTP {exc.code} {detail}", errors.Retry.FATAL
+            ) from exc
+        except OSError as exc:
+            raise errors.BrokerError(
+                f"management API at {parsed.hostname}:{parsed.port} unreachable: {exc}",
+                errors.Retry.RETRY,
+            ) from exc
+        return json.loads(raw) if raw else None
+
+    return await asyncio.to_thread(call)
+
+
+async def ensure_vhost(management_url: str, vhost: str, users: Sequence[str]) -> None:
+    await management(management_url, "PUT", f"/api/vhosts/{_q(vhost)}", {})
+    for user in users:
+        await management(management_url, "PUT", f"/api/permissions/{_q(vhost)}/{_q(user)}",
+                         {"configure": ".*", "write": ".*", "read": ".*"})
+
+
+async def delete_vhost(management_url: str, vhost: str) -> None:
+    with contextlib.suppress(errors.BrokerError):
+        await management(management_url, "DELETE", f"/api/vhosts/{_q(vhost)}")
+
+
+async def ensure_user(management_url: str, user: str, password: str, vhost: str,
+                      *, configure: str, write: str, read: str) -> None:
+    await management(management_url, "PUT", f"/api/users/{_q(user)}",
+                     {"password": password, "tags": ""})
+    await management(management_url, "PUT", f"/api/permissions/{_q(vhost)}/{_q(user)}",
+                     {"configure": configure, "write": write, "read": read})
+
+
+async def queue_depths(management_url: str, vhost: str) -> dict[str, int]:
+    rows = await management(management_url, "GET", f"/api/queues/{_q(vhost)}?columns=name,messages")
+    return {r["name"]: int(r.get("messages") or 0) for r in rows or []}
+
+
+async def publish_raw(broker: Broker, exchange: str, routing_key: str, body: bytes, *,
+                      message_id: str | None = None, user_id: str | None = None,
+                      headers: Mapping[str, Any] | None = None) -> bool:
+    """One confirmed publish outside any outbox (clients, tests, the demo's starts)."""
+    publisher = Publisher(broker, window=1, timeout_s=10, user_id=user_id)
+    [outcome] = await publisher.publish_many(
+        [Outgoing(message_id or "", exchange, routing_key, body, headers or {})]
+    )
+    return outcome.ok

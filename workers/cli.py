@@ -1,0 +1,316 @@
+"""``custody``: the operator and deployment command line.
+
+Every command goes through the same code paths as the workers (named queries, the
+codec, the topology plan); none edits runtime rows by hand. Settings come from the
+environment (``CUSTODY_*``, see ``custody config show``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from contracts import codec
+from contracts.models import StartRequest
+from workers import broker, db, engine, errors, runtime
+from workers.config import ROOT, Settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
+
+
+def _print(data: Any, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(orjson.dumps(data, default=str, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    if isinstance(data, list):
+        for row in data:
+            sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
+    else:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    await db.ensure_database(settings.database_url)
+    await db.apply_script(settings.database_url, db.SQL_DIR / "schema.sql")
+    print("engine schema applied")
+    if args.participants:
+        await db.ensure_database(settings.participant_database_url)
+        table, _ = engine.load_config(settings)
+        for owner in sorted({r.owner for r in table.by_name.values()}):
+            await migrate_participant(settings, owner)
+            print(f"participant schema participant_{owner} applied")
+    return EXIT_OK
+
+
+async def migrate_participant(settings: Settings, owner: str) -> None:
+    schema = participant_schema(owner)
+    await db.apply_script(settings.participant_database_url, db.SQL_DIR / "participant_schema.sql",
+                          schema=schema)
+    await db.apply_script(settings.participant_database_url, ROOT / "participants" / "samples.sql",
+                          schema=schema)
+
+
+def participant_schema(owner: str) -> str:
+    return f"participant_{owner}"
+
+
+async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
+    table, _ = engine.load_config(settings)
+    amqp = broker.Broker(settings.amqp_url, "topology")
+    await amqp.connect()
+    try:
+        plan = await broker.apply_topology(amqp, table.bindings(), settings.delivery_limit,
+                                           settings.amqp_management_url)
+    finally:
+        await amqp.close()
+    print(f"declared {len(plan['exchanges'])} exchanges, {len(plan['queues'])} quorum queues, "
+          f"{len(plan['bindings'])} bindings; policy {broker.POLICY_NAME} "
+          f"(dead-letter-exchange {broker.EXCHANGE_DEAD}, delivery-limit {settings.delivery_limit})")
+    return EXIT_OK
+
+
+async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
+    """Create one broker user per participant principal (development and tests)."""
+    table, _ = engine.load_config(settings)
+    vhost = broker.vhost_of(settings.amqp_url)
+    for route in table.by_name.values():
+        await broker.ensure_user(
+            settings.amqp_management_url, route.principal, args.password, vhost,
+            configure="^$", write=f"^{re.escape(broker.EXCHANGE_RECEIPTS)}$",
+            read=f"^{re.escape(broker.command_queue(route.binding))}$")
+        print(f"broker user {route.principal}: read {broker.command_queue(route.binding)}, "
+              f"write {broker.EXCHANGE_RECEIPTS}")
+    return EXIT_OK
+
+
+async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
+    runtime.setup_logging(settings.log_format)
+    if args.worker == "participant":
+        return await run_participant(settings, args.name)
+    from workers import committer, publisher, receipts, reconciler
+
+    mains = {"committer": committer.main, "publisher": publisher.main,
+             "receipts": receipts.main, "reconciler": reconciler.main}
+    return await runtime.run(args.worker, lambda stop, health: mains[args.worker](settings, stop, health),
+                             metrics_port=settings.metrics_port)
+
+
+async def run_participant(settings: Settings, name: str | None) -> int:
+    from participants import samples
+    from workers import participant
+
+    if not name or name not in samples.HANDLERS:
+        print(f"--name must be one of {sorted(samples.HANDLERS)}", file=sys.stderr)
+        return EXIT_USAGE
+    table, _ = engine.load_config(settings)
+    owned = table.owned_by(name)
+    principals = {r.principal for r in owned}
+    if len(principals) != 1:
+        raise errors.ConfigError(f"participant {name} needs exactly one principal in routes")
+    principal = principals.pop()
+    if broker.user_of(settings.amqp_url) != principal:
+        raise errors.ConfigError(
+            f"participant {name} must connect as its principal {principal!r}, "
+            f"not {broker.user_of(settings.amqp_url)!r} (RabbitMQ validates user_id)")
+    me = participant.Identity(owner=name, principal=principal,
+                              bindings=frozenset(r.binding for r in owned))
+    return await runtime.run(
+        f"participant-{name}",
+        lambda stop, health: participant.serve(me, samples.HANDLERS[name], settings, stop, health,
+                                               schema=participant_schema(name)),
+        metrics_port=settings.metrics_port)
+
+
+async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        data = orjson.loads(args.input)
+    except orjson.JSONDecodeError as exc:
+        print(f"--input is not JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    amqp = broker.Broker(settings.amqp_url, "cli")
+    await amqp.connect()
+    try:
+        pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
+        ids = []
+        items = []
+        for _ in range(args.count):
+            request = StartRequest(tenant=args.tenant, start_request_id=str(uuid.uuid4()),
+                                   process=args.process, input=data, requested_by=args.actor)
+            ids.append(request.start_request_id)
+            items.append(broker.Outgoing(request.start_request_id, broker.EXCHANGE_REQUESTS,
+                                         broker.START_KEY, codec.encode(request)))
+        outcomes = await pub.publish_many(items)
+    finally:
+        await amqp.close()
+    failed = [o for o in outcomes if not o.ok]
+    _print({"published": len(outcomes) - len(failed), "failed": len(failed),
+            "start_request_ids": ids[:10]}, args.json)
+    return EXIT_OK if not failed else EXIT_FAILED
+
+
+async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    database = db.Database(settings.database_url, schema="custody", name="cli", min_size=1, max_size=1)
+    await database.open()
+    try:
+        async with database.transaction() as tx:
+            return await tx.rows(name, params)
+    finally:
+        await database.close()
+
+
+async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
+    rows = await _query(settings, "quarantine_list", {"reason": args.reason, "limit": args.limit})
+    _print(rows, args.json)
+    return EXIT_OK
+
+
+async def cmd_instances(settings: Settings, args: argparse.Namespace) -> int:
+    rows = await _query(settings, "instance_list",
+                        {"status": args.status, "tenant": args.tenant, "limit": args.limit})
+    _print(rows, args.json)
+    return EXIT_OK
+
+
+async def cmd_operations(settings: Settings, args: argparse.Namespace) -> int:
+    rows = await _query(settings, "operation_list", {"status": args.status, "tenant": args.tenant,
+                                                     "route": args.route, "limit": args.limit})
+    _print(rows, args.json)
+    return EXIT_OK
+
+
+async def cmd_history(settings: Settings, args: argparse.Namespace) -> int:
+    rows = await _query(settings, "instance_history", {"id": args.instance_id})
+    if not rows:
+        print(f"no instance {args.instance_id}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    _print(rows, args.json)
+    return EXIT_OK
+
+
+async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
+    out = ROOT / "contracts" / "schemas"
+    drift = []
+    for name, schema in codec.json_schemas().items():
+        path = out / f"{name}.json"
+        text = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                drift.append(path.name)
+        else:
+            path.write_text(text)
+    if drift:
+        print(f"JSON Schemas drifted from the models: {drift}; run `custody contracts schemas`",
+              file=sys.stderr)
+        return EXIT_FAILED
+    print("schemas up to date" if args.check else f"wrote {out}")
+    return EXIT_OK
+
+
+async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    _print(settings.redacted(), True)
+    return EXIT_OK
+
+
+async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    from workers import demo
+
+    return await demo.run(settings, instances=args.instances, replicas=args.replicas)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="custody", description=__doc__.split("\n")[0] if __doc__ else "")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    dbp = sub.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
+    m = dbp.add_parser("migrate", help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently")
+    m.add_argument("--participants", action="store_true",
+                   help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)")
+    m.set_defaults(fn=cmd_migrate)
+
+    top = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(dest="t", required=True)
+    top.add_parser("apply", help="declare exchanges, quorum queues, bindings and the policy "
+                   "(CUSTODY_AMQP_URL, CUSTODY_AMQP_MANAGEMENT_URL, CUSTODY_DELIVERY_LIMIT)"
+                   ).set_defaults(fn=cmd_topology)
+
+    br = sub.add_parser("broker", help="broker users").add_subparsers(dest="b", required=True)
+    du = br.add_parser("dev-users", help="one user per participant principal (dev and tests)")
+    du.add_argument("--password", default="custody-dev")
+    du.set_defaults(fn=cmd_dev_users)
+
+    r = sub.add_parser("run", help="run one worker until SIGTERM")
+    r.add_argument("worker", choices=["committer", "publisher", "receipts", "reconciler", "participant"])
+    r.add_argument("--name", help="participant name (inventory, payments, shipping)")
+    r.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("start", help="publish start requests")
+    s.add_argument("--tenant", required=True)
+    s.add_argument("--process", required=True)
+    s.add_argument("--input", required=True, help="the instance input, a JSON object")
+    s.add_argument("--count", type=int, default=1)
+    s.add_argument("--actor", default="cli")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_start)
+
+    q = sub.add_parser("quarantine", help="quarantined messages").add_subparsers(dest="q", required=True)
+    ql = q.add_parser("list", help="newest first, with their reasons")
+    ql.add_argument("--reason")
+    ql.add_argument("--limit", type=int, default=50)
+    ql.add_argument("--json", action="store_true")
+    ql.set_defaults(fn=cmd_quarantine)
+
+    for noun, fn in (("instances", cmd_instances), ("operations", cmd_operations)):
+        lp = sub.add_parser(noun).add_subparsers(dest="x", required=True).add_parser("list")
+        lp.add_argument("--status")
+        lp.add_argument("--tenant")
+        if noun == "operations":
+            lp.add_argument("--route")
+        lp.add_argument("--limit", type=int, default=50)
+        lp.add_argument("--json", action="store_true")
+        lp.set_defaults(fn=fn)
+
+    h = sub.add_parser("history", help="an instance's history, in order")
+    h.add_argument("instance_id")
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(fn=cmd_history)
+
+    c = sub.add_parser("contracts").add_subparsers(dest="c", required=True)
+    cs = c.add_parser("schemas", help="write (or --check) contracts/schemas/*.json")
+    cs.add_argument("--check", action="store_true")
+    cs.set_defaults(fn=cmd_schemas)
+
+    sub.add_parser("config").add_subparsers(dest="cf", required=True).add_parser(
+        "show", help="effective settings, secrets redacted").set_defaults(fn=cmd_config)
+
+    d = sub.add_parser("demo", help="the whole fleet and sample participants doing real work")
+    d.add_argument("--instances", type=int, default=300)
+    d.add_argument("--replicas", type=int, default=1)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        return int(asyncio.run(args.fn(settings, args)))
+    except errors.ConfigError as exc:
+        print(f"custody: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except errors.CustodyError as exc:
+        print(f"custody: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The transition committer: owner of the *workflow transition* boundary.
+
+It commits, in one transaction, node state, history, the operation and its attempt,
+and the outbox row that is the dispatch intent. Inputs: start requests (AMQP, acked
+after commit) and successor intents written by the receipt consumer (claimed with
+``FOR UPDATE SKIP LOCKED``, woken by NOTIFY with a polling fallback). It never talks
+to participants.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from contracts import codec, identity
+from contracts.models import ExecutorRoute, Lineage, StartRequest, SubmitCommand, Target
+from workers import broker, db, engine, faults, metrics, process, routes, runtime, tracing
+from workers.config import Settings
+
+ACTOR = "committer"
+AckPolicy = "ack after commit; malformed starts are quarantined and acked"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The rows of one new node activation, decided without I/O."""
+
+    node: dict[str, Any]
+    operation: dict[str, Any]
+    attempt: dict[str, Any]
+    outbox: dict[str, Any]
+    history: dict[str, Any]
+
+
+def plan_activation(
+    *,
+    tenant: str,
+    instance_id: str,
+    definition: process.Definition,
+    node_name: str,
+    activation: int,
+    instance_input: Mapping[str, Any],
+    results: Mapping[str, Any],
+    pinned: Mapping[str, ExecutorRoute],
+    traceparent: str | None,
+) -> Plan:
+    """Everything one activation writes, on the route the instance pinned at start."""
+    node = definition.node(node_name)
+    route = pinned[node.route]
+    op_id = identity.operation_id(tenant, instance_id, node_name, activation)
+    attempt = 1
+    request_id = identity.request_id(op_id, attempt, "submit")
+    op_input = process.render_input(node.input, instance_input, results)
+    lineage = Lineage(
+        instance_id=instance_id,
+        process=definition.name,
+        process_version=definition.version,
+        node=node_name,
+        activation=activation,
+    )
+    target = Target(route=route.name, owner=route.owner, binding=route.binding)
+    command = SubmitCommand(
+        request_id=request_id,
+        tenant=tenant,
+        operation_id=op_id,
+        attempt=attempt,
+        operation=node.operation,
+        target=target,
+        digest="0" * 64,
+        issued_at=datetime.now(UTC),
+        input=op_input,
+        lineage=lineage,
+    )
+    command = command.model_copy(update={"digest": command.semantic_digest()})
+    lineage_json = lineage.model_dump(mode="json")
+    return Plan(
+        node={"instance_id": instance_id, "node": node_name, "activation": activation,
+              "operation_id": op_id},
+        operation={
+            "id": op_id, "tenant": tenant, "instance_id": instance_id, "node": node_name,
+            "activation": activation, "operation": node.operation, "route": route.name,
+            "owner": route.owner, "principal": route.principal, "binding": route.binding,
+            "input": db.jsonb(op_input), "lineage": db.jsonb(lineage_json), "attempt": attempt,
+            "digest": command.digest, "deadline_seconds": node.deadline_seconds,
+        },
+        attempt={"request_id": request_id, "operation_id": op_id, "attempt": attempt,
+                 "kind": "submit", "digest": command.digest},
+        outbox={
+            "id": request_id, "exchange": broker.EXCHANGE_COMMANDS,
+            "routing_key": route.binding, "body": codec.encode(command),
+            "headers": db.jsonb({"traceparent": tracing.child(traceparent)}),
+            "operation_id": op_id,
+        },
+        history={"instance_id": instance_id, "operation_id": op_id, "event": "node.activated",
+                 "detail": db.jsonb({"node": node_name, "activation": activation,
+                                     "operation": node.operation, "route": route.name,
+                                     "binding": route.binding}),
+                 "actor": ACTOR},
+    )
+
+
+async def _write_plans(tx: db.Tx, plans: Sequence[Plan]) -> None:
+    await tx.run_many("node_insert", [p.node for p in plans])
+    await tx.run_many("operation_insert", [p.operation for p in plans])
+    await tx.run_many("attempt_insert", [p.attempt for p in plans])
+    await tx.run_many("outbox_insert", [p.outbox for p in plans])
+    await tx.run_many("history_insert", [p.history for p in plans])
+
+
+class Committer:
+    def __init__(self, settings: Settings, database: db.Database, lease: db.Lease,
+                 table: routes.Routes, catalog: process.Catalog) -> None:
+        self.settings = settings
+        self.db = database
+        self.lease = lease
+        self.routes = table
+        self.catalog = catalog
+
+    async def commit_starts(self, deliveries: Sequence[broker.Delivery]) -> None:
+        """One transaction for a batch of start requests; the caller acks after it."""
+        valid: list[tuple[broker.Delivery, StartRequest]] = []
+        quarantine: list[dict[str, Any]] = []
+        for d in deliveries:
+            try:
+                valid.append((d, codec.decode_start(d.body, self.settings.max_message_bytes)))
+            except codec.DecodeError as exc:
+                quarantine.append(_quarantine_row(d, exc.reason, exc.detail))
+        async with self.db.transaction(self.lease) as tx:
+            ids = [identity.instance_id(s.tenant, s.start_request_id) for _, s in valid]
+            existing = {r["id"]: r for r in await tx.rows("instances_get", {"ids": ids})}
+            instances, plans, seen = [], [], set()
+            for (d, start), iid in zip(valid, ids, strict=True):
+                old = existing.get(iid)
+                if old is not None or iid in seen:
+                    if old is not None and old["input"] != start.input:
+                        quarantine.append(_quarantine_row(
+                            d, "start_conflict", "same start request id with different input",
+                            tenant=start.tenant))
+                    continue
+                try:
+                    definition = self.catalog.latest(start.process)
+                except process.DefinitionError as exc:
+                    quarantine.append(_quarantine_row(d, "unknown_process", str(exc), tenant=start.tenant))
+                    continue
+                pinned = pin_routes(definition, self.routes)
+                try:
+                    traceparent = tracing.from_headers(d.headers)
+                    plan = plan_activation(
+                        tenant=start.tenant, instance_id=iid, definition=definition,
+                        node_name=definition.start, activation=1, instance_input=start.input,
+                        results={}, pinned=pinned, traceparent=traceparent)
+                except process.InputError as exc:
+                    quarantine.append(_quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant))
+                    continue
+                seen.add(iid)
+                instances.append({
+                    "id": iid, "tenant": start.tenant, "start_request_id": start.start_request_id,
+                    "process": definition.name, "process_version": definition.version,
+                    "input": db.jsonb(start.input), "requested_by": start.requested_by,
+                    "traceparent": traceparent,
+                    "routes": db.jsonb({k: v.model_dump(mode="json") for k, v in pinned.items()}),
+                })
+                plans.append(plan)
+            await tx.run_many("instance_insert", instances)
+            await tx.run_many("history_insert", [
+                {"instance_id": i["id"], "operation_id": None, "event": "instance.started",
+                 "detail": db.jsonb({"process": i["process"], "version": i["process_version"]}),
+                 "actor": ACTOR} for i in instances])
+            await _write_plans(tx, plans)
+            await tx.run_many("quarantine_insert", quarantine)
+            faults.crash_point("before_commit")
+        metrics.TRANSITIONS.labels("start").inc(len(plans))
+        for row in quarantine:
+            metrics.quarantined(row["source"], row["reason"])
+
+    async def commit_successors(self) -> int:
+        """Claim a batch of successor intents and commit their transitions."""
+        async with self.db.transaction(self.lease) as tx:
+            intents = await tx.rows("successor_claim", {"limit": self.settings.batch_size})
+            if not intents:
+                return 0
+            ids = list({i["instance_id"] for i in intents})
+            results: dict[Any, dict[str, Any]] = {}
+            for r in await tx.rows("instance_results", {"ids": ids}):
+                results.setdefault(r["instance_id"], {})[r["node"]] = r["result"]
+            activations = {(r["instance_id"], r["node"]): r["activation"]
+                           for r in await tx.rows("node_activations", {"ids": ids})}
+            plans: list[Plan] = []
+            history: list[dict[str, Any]] = []
+            for intent in intents:
+                iid = intent["instance_id"]
+                nxt = intent["next_node"]
+                if intent["instance_status"] != "running":
+                    history.append(_history(iid, "successor.suppressed",
+                                            {"instance_status": intent["instance_status"]}))
+                    continue
+                if nxt in (process.END_COMPLETED, process.END_FAILED):
+                    status = "completed" if nxt == process.END_COMPLETED else "failed"
+                    await tx.run("instance_finish", {"id": iid, "status": status})
+                    history.append(_history(iid, f"instance.{status}", {}))
+                    continue
+                definition = self.catalog.get(intent["process"], intent["process_version"])
+                pinned = {k: ExecutorRoute.model_validate(v, strict=False)
+                          for k, v in intent["routes"].items()}
+                self._warn_drift(iid, pinned)
+                activation = activations.get((iid, nxt), 0) + 1
+                activations[(iid, nxt)] = activation
+                try:
+                    plans.append(plan_activation(
+                        tenant=intent["tenant"], instance_id=str(iid), definition=definition,
+                        node_name=nxt, activation=activation, instance_input=intent["input"],
+                        results=results.get(iid, {}), pinned=pinned,
+                        traceparent=intent["traceparent"]))
+                except (process.InputError, KeyError) as exc:
+                    await tx.run("instance_finish", {"id": iid, "status": "failed"})
+                    history.append(_history(iid, "instance.failed", {"error": str(exc)}))
+            await _write_plans(tx, plans)
+            await tx.run_many("history_insert", history)
+            await tx.run("successor_done", {"ids": [i["id"] for i in intents]})
+        metrics.TRANSITIONS.labels("successor").inc(len(intents))
+        return len(intents)
+
+
+    def _warn_drift(self, instance_id: Any, pinned: Mapping[str, ExecutorRoute]) -> None:
+        """A pinned route that the current file changed or removed is an alert, never a
+        redirect: the instance keeps the binding it started with."""
+        for name, route in pinned.items():
+            current = self.routes.by_name.get(name)
+            if current != route:
+                metrics.ROUTE_DRIFT.labels(name).inc()
+                runtime.event("route.drift", logging.WARNING, instance_id=str(instance_id),
+                              route=name, pinned=route.binding,
+                              current=current.binding if current else None)
+
+
+def pin_routes(definition: process.Definition, table: routes.Routes) -> dict[str, ExecutorRoute]:
+    """The routes an instance of ``definition`` will use, as configured right now."""
+    return {n.route: table.get(n.route) for n in definition.nodes.values()}
+
+
+def _history(instance_id: Any, event: str, detail: dict[str, Any]) -> dict[str, Any]:
+    return {"instance_id": instance_id, "operation_id": None, "event": event,
+            "detail": db.jsonb(detail), "actor": ACTOR}
+
+
+def _quarantine_row(d: broker.Delivery, reason: str, detail: str,
+                    tenant: str | None = None) -> dict[str, Any]:
+    return {
+        "source": broker.QUEUE_REQUESTS, "reason": reason, "detail": detail[:2000],
+        "message_id": d.message_id, "user_id": d.user_id, "tenant": tenant,
+        "operation_id": None, "body": d.body, "headers": db.jsonb(_safe_headers(d.headers)),
+        "worker": ACTOR,
+    }
+
+
+def _safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k)[:100]: str(v)[:500] for k, v in list(headers.items())[:32]}
+
+
+async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
+    async with engine.context(settings, ACTOR, health, consumes=True) as ctx:
+        committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog)
+        waker = runtime.Waker(settings.poll_interval_s)
+
+        async def starts() -> None:
+            async with ctx.broker.consume([broker.QUEUE_REQUESTS], settings.prefetch) as inbox:
+                while not stop.requested:
+                    batch = await runtime.next_batch(
+                        inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
+                    if not batch:
+                        continue
+                    metrics.REDELIVERIES.labels(ACTOR).inc(sum(d.redelivered for d in batch))
+                    await runtime.redo(lambda b=batch: committer.commit_starts(b),
+                                       worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
+                    for d in batch:
+                        await d.ack()
+
+        async def successors() -> None:
+            while not stop.requested:
+                n = await runtime.redo(committer.commit_successors, worker=ACTOR, stop=stop,
+                                       on_fenced=ctx.reacquire)
+                if n < settings.batch_size:
+                    await waker.wait()
+
+        await runtime.supervise(
+            main=[starts(), successors()],
+            side=[ctx.heartbeat(), waker.follow(ctx.db.listen("custody_successor"))],
+        )

@@ -1,0 +1,87 @@
+"""One frozen settings object, built once from the environment (prefix ``CUSTODY_``).
+
+Every setting may instead be read from a file named by ``CUSTODY_<NAME>_FILE``
+(Docker and Kubernetes secrets). libpq's ``PG*`` variables work when the database
+URL is left empty. Secrets never appear in :meth:`Settings.redacted`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from workers.errors import ConfigError
+
+PREFIX = "CUSTODY_"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/custody"
+    participant_database_url: str = "postgresql://postgres@127.0.0.1:5432/custody_participants"
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    amqp_management_url: str = "http://guest:guest@127.0.0.1:15672"
+    routes_file: str = str(ROOT / "deploy" / "routes.toml")
+    processes_dir: str = str(ROOT / "deploy" / "processes")
+    max_message_bytes: int = 256 * 1024
+    batch_size: int = 200
+    prefetch: int = 400
+    linger_ms: int = 5
+    confirm_window: int = 64
+    confirm_timeout_s: float = 10.0
+    poll_interval_s: float = 1.0
+    lease_ttl_s: float = 15.0
+    delivery_limit: int = 5
+    metrics_port: int = 0
+    log_format: str = "json"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = PREFIX + f.name.upper()
+            raw = env.get(key)
+            file_key = key + "_FILE"
+            if file_key in env:
+                if raw is not None:
+                    raise ConfigError(f"set {key} or {file_key}, not both")
+                try:
+                    raw = Path(env[file_key]).read_text().strip()
+                except OSError as exc:
+                    raise ConfigError(f"{file_key}: {exc}") from None
+            if raw is None:
+                continue
+            kind = type(f.default)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        for name in ("batch_size", "prefetch", "confirm_window", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
+        if self.prefetch < self.batch_size:
+            raise ConfigError(
+                f"{PREFIX}PREFETCH ({self.prefetch}) must be at least "
+                f"{PREFIX}BATCH_SIZE ({self.batch_size}), or batches never fill"
+            )
+        if self.log_format not in ("json", "text"):
+            raise ConfigError(f"{PREFIX}LOG_FORMAT must be json or text")
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings with every password replaced, for ``custody config show``."""
+        return {k: _redact(v) if isinstance(v, str) else v for k, v in asdict(self).items()}
+
+
+def _redact(value: str) -> str:
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", value)

@@ -1,0 +1,263 @@
+"""The one module that talks to Postgres.
+
+Queries are named and live in ``queries.sql`` beside ``schema.sql``; workers run
+them by name through a :class:`Tx`. psycopg errors are translated here, once, into
+:class:`workers.errors.DatabaseError` with a retry classification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, LiteralString, cast
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from workers import errors
+from workers.config import ROOT
+
+Row = dict[str, Any]
+Params = Mapping[str, Any] | Sequence[Any] | None
+
+
+def _load_queries(path: Path) -> dict[str, str]:
+    queries: dict[str, str] = {}
+    name: str | None = None
+    lines: list[str] = []
+    for line in [*path.read_text().splitlines(), "-- name: __end__"]:
+        match = re.match(r"^--\s*name:\s*([a-z_0-9]+)\s*$", line)
+        if match:
+            if name:
+                queries[name] = "\n".join(lines).strip().rstrip(";")
+            name, lines = match.group(1), []
+        elif name:
+            lines.append(line)
+    queries.pop("__end__", None)
+    return queries
+
+
+SQL_DIR = Path(os.environ.get("CUSTODY_SQL_DIR", str(ROOT)))
+QUERIES = _load_queries(SQL_DIR / "queries.sql")
+
+
+def jsonb(value: Any) -> Jsonb:
+    """Wrap a JSON value for a jsonb parameter."""
+    return Jsonb(value)
+
+
+def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseError:
+    sqlstate = getattr(exc, "sqlstate", None)
+    kind = errors.classify_sqlstate(sqlstate, during_commit=during_commit)
+    cls = errors.Fenced if kind is errors.Retry.FENCED else errors.DatabaseError
+    return cls(f"{type(exc).__name__}: {exc}".strip(), kind, sqlstate)
+
+
+class Tx:
+    """One open transaction; every statement is a named query."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Row]) -> None:
+        self._conn = conn
+
+    async def rows(self, name: str, params: Params = None) -> list[Row]:
+        cur = await self._conn.execute(_q(name), params)
+        return await cur.fetchall()
+
+    async def one(self, name: str, params: Params = None) -> Row | None:
+        cur = await self._conn.execute(_q(name), params)
+        return await cur.fetchone()
+
+    async def run(self, name: str, params: Params = None) -> int:
+        cur = await self._conn.execute(_q(name), params)
+        return cur.rowcount
+
+    async def run_many(self, name: str, params: Iterable[Params]) -> int:
+        seq = list(params)
+        if not seq:
+            return 0
+        async with self._conn.cursor() as cur:
+            await cur.executemany(_q(name), seq)
+            return cur.rowcount
+
+    async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
+        """A participant's own SQL on its own tables, inside this transaction."""
+        cur = await self._conn.execute(statement, params)
+        return await cur.fetchall() if cur.description else []
+
+    @contextlib.asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        async with self._conn.transaction():
+            yield
+
+
+def _q(name: str) -> LiteralString:
+    try:
+        return cast(LiteralString, QUERIES[name])
+    except KeyError:
+        raise errors.CustodyError(f"no query named {name!r} in queries.sql") from None
+
+
+@dataclass
+class Lease:
+    """A worker's fencing token: its holder row and the epoch it acquired."""
+
+    worker: str
+    holder: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
+    epoch: int = 0
+    ttl_s: float = 15.0
+
+
+class Database:
+    """A pool of connections whose ``search_path`` is the owner's schema."""
+
+    def __init__(
+        self, url: str, *, schema: str, name: str, min_size: int = 1, max_size: int = 4
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self.name = name
+        self._pool = AsyncConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            kwargs={
+                "row_factory": dict_row,
+                "autocommit": False,
+                "application_name": f"custody-{name}",
+                "options": f"-c search_path={schema},public",
+            },
+            name=f"custody-{name}",
+        )
+
+    async def open(self) -> None:
+        try:
+            await self._pool.open(wait=True, timeout=15)
+        except psycopg.Error as exc:
+            raise _translate(exc, during_commit=False) from exc
+        except Exception as exc:  # psycopg_pool.PoolTimeout
+            raise errors.DatabaseError(
+                f"cannot connect to Postgres for {self.name}: {exc}", errors.Retry.RETRY
+            ) from exc
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, lease: Lease | None = None) -> AsyncIterator[Tx]:
+        """One transaction; with a lease, the commit is fenced by its epoch."""
+        async with self._pool.connection() as conn:
+            committing = False
+            try:
+                async with conn.transaction():
+                    yield Tx(conn)
+                    if lease is not None:
+                        await conn.execute(
+                            "SELECT custody.fence(%s, %s)", (lease.holder, lease.epoch)
+                        )
+                    committing = True
+            except psycopg.Error as exc:
+                raise _translate(exc, during_commit=committing) from exc
+
+    async def acquire(self, lease: Lease) -> int:
+        """Take (or take back) the lease with a new epoch; returns the epoch."""
+        async with self.transaction() as tx:
+            row = await tx.one(
+                "lease_acquire",
+                {"holder": lease.holder, "worker": lease.worker, "ttl": lease.ttl_s},
+            )
+        assert row is not None
+        lease.epoch = int(row["epoch"])
+        return lease.epoch
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend the lease; False when it had already expired (we were a zombie)."""
+        async with self.transaction() as tx:
+            n = await tx.run(
+                "lease_renew", {"holder": lease.holder, "epoch": lease.epoch, "ttl": lease.ttl_s}
+            )
+        return n == 1
+
+    async def release(self, lease: Lease) -> None:
+        async with self.transaction() as tx:
+            await tx.run("lease_release", {"holder": lease.holder, "epoch": lease.epoch})
+
+    async def listen(self, *channels: str) -> AsyncIterator[None]:
+        """Yield on each notification; NOTIFY is a hint, so callers also poll."""
+        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        try:
+            for channel in channels:
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            async for _ in conn.notifies():
+                yield
+        except psycopg.Error as exc:
+            raise _translate(exc, during_commit=False) from exc
+        finally:
+            await conn.close()
+
+
+async def apply_script(url: str, path: Path, *, schema: str | None = None) -> None:
+    """Run a DDL script idempotently, serialised across runners by an advisory lock."""
+    text = path.read_text()
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await conn.execute("SELECT pg_advisory_lock(hashtext('custody.migrate'))")
+            try:
+                async with conn.transaction():
+                    await conn.execute("SET LOCAL client_min_messages = warning")
+                    if schema is not None:
+                        await conn.execute(
+                            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
+                        )
+                        await conn.execute(
+                            sql.SQL("SET LOCAL search_path = {}").format(sql.Identifier(schema))
+                        )
+                    await conn.execute(cast(LiteralString, text))
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtext('custody.migrate'))")
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+
+
+async def ensure_database(url: str) -> None:
+    """Create the database named in ``url`` if it does not exist (dev and demo)."""
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    dbname = str(info.get("dbname") or "")
+    if not dbname:
+        return
+    admin = psycopg.conninfo.make_conninfo(url, dbname="postgres")
+    try:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+            cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
+            if await cur.fetchone() is None:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                    await conn.execute(
+                        sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname))
+                    )
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+
+
+async def wait_until_reachable(url: str, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(url, connect_timeout=2)
+            await conn.close()
+            return
+        except psycopg.OperationalError as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise _translate(exc, during_commit=False) from exc
+            await asyncio.sleep(0.5)

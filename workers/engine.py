@@ -1,0 +1,64 @@
+"""What every engine worker shares: its connections, its lease and its config."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers import broker, db, metrics, process, routes, runtime
+from workers.config import Settings
+
+
+@dataclass
+class Context:
+    settings: Settings
+    worker: str
+    db: db.Database
+    broker: broker.Broker
+    lease: db.Lease
+    routes: routes.Routes
+    catalog: process.Catalog
+
+    async def reacquire(self) -> None:
+        """After a fenced commit: take the lease back under a new epoch."""
+        await self.db.acquire(self.lease)
+
+    async def heartbeat(self) -> None:
+        """Renew at a third of the TTL; a lease found expired is logged and re-taken
+        with a new epoch, so whatever the old epoch had in flight cannot commit."""
+        while True:
+            await asyncio.sleep(self.lease.ttl_s / 3)
+            if not await self.db.renew(self.lease):
+                metrics.LEASE_LOSSES.labels(self.worker).inc()
+                runtime.event("lease.lost", logging.WARNING, worker=self.worker,
+                              holder=self.lease.holder, epoch=self.lease.epoch)
+                await self.db.acquire(self.lease)
+
+
+def load_config(settings: Settings) -> tuple[routes.Routes, process.Catalog]:
+    table = routes.load(Path(settings.routes_file))
+    return table, process.load_dir(Path(settings.processes_dir), table)
+
+
+@contextlib.asynccontextmanager
+async def context(settings: Settings, worker: str, health: runtime.Health,
+                  *, consumes: bool = True) -> AsyncIterator[Context]:
+    table, catalog = load_config(settings)
+    database = db.Database(settings.database_url, schema="custody", name=worker)
+    amqp = broker.Broker(settings.amqp_url, worker)
+    lease = db.Lease(worker, ttl_s=settings.lease_ttl_s)
+    await database.open()
+    try:
+        await amqp.connect()
+        await database.acquire(lease)
+        health.checks["broker"] = lambda: amqp.connected
+        yield Context(settings, worker, database, amqp, lease, table, catalog)
+    finally:
+        with contextlib.suppress(Exception):
+            await database.release(lease)
+        await amqp.close()
+        await database.close()

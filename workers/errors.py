@@ -1,0 +1,75 @@
+"""One root error class, and the one pure classifier of what is retryable.
+
+psycopg errors are translated in ``workers.db`` and aio-pika errors in
+``workers.broker``, each with ``raise … from``; nothing else catches them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class CustodyError(Exception):
+    """Root of every error custody raises on purpose."""
+
+
+class ConfigError(CustodyError):
+    """Configuration is missing or invalid: refuse to start, say what and why."""
+
+
+class Retry(enum.Enum):
+    RETRY = "retry"  # transient: redo the whole unit of work
+    IN_DOUBT = "in_doubt"  # commit outcome unknown: re-read by identity, then redo
+    FENCED = "fenced"  # our lease is gone: stop, re-acquire
+    FATAL = "fatal"  # a bug or a broken deployment: let the worker die
+
+
+class DatabaseError(CustodyError):
+    def __init__(self, message: str, kind: Retry, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.sqlstate = sqlstate
+
+
+class Fenced(DatabaseError):
+    """The worker's lease epoch is no longer current; its commit was refused."""
+
+
+class BrokerError(CustodyError):
+    """RabbitMQ refused or lost something; ``kind`` says whether to retry."""
+
+    def __init__(self, message: str, kind: Retry) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+FENCE_SQLSTATE = "CU001"
+_RETRYABLE_SQLSTATES = frozenset({
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+    "55P03",  # lock_not_available
+    "57014",  # query_canceled (statement timeout)
+    "25P03",  # idle_in_transaction_session_timeout
+    "53300",  # too_many_connections
+    "57P01", "57P02", "57P03",  # admin shutdown, crash shutdown, cannot connect now
+    "08000", "08003", "08006", "08001", "08004",  # connection exceptions
+    "53100",  # disk_full: writes fail, nothing is acked, retried once space is back
+})
+
+
+def classify_sqlstate(sqlstate: str | None, *, during_commit: bool) -> Retry:
+    """Whether a Postgres failure is worth redoing the unit of work for."""
+    if sqlstate == FENCE_SQLSTATE:
+        return Retry.FENCED
+    if sqlstate is None or sqlstate.startswith("08"):
+        # No SQLSTATE means the connection broke: if it broke during COMMIT the
+        # outcome is unknown and the redo must re-read by identity (ours do).
+        return Retry.IN_DOUBT if during_commit else Retry.RETRY
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        return Retry.RETRY
+    return Retry.FATAL
+
+
+def backoff_seconds(attempt: int, *, base: float = 0.2, cap: float = 30.0) -> float:
+    """Exponential backoff without jitter (callers add jitter where herds form)."""
+    return float(min(cap, base * 2 ** min(attempt, 16)))

@@ -1,0 +1,36 @@
+"""Crash points: exact places where a test can make a worker die by SIGKILL.
+
+Enabled only through ``CUSTODY_CRASH_POINTS`` (comma-separated names), which the
+fault tests set for one worker process. Each point fires once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Final
+
+POINTS: Final = frozenset({
+    "before_commit",
+    "after_publish_before_confirm",
+    "after_confirm_before_mark",
+    "after_commit_before_ack",
+    "mid_effect",
+    "receipts_after_commit_before_ack",
+    "reconciler_after_query",
+})
+
+_enabled = frozenset(p for p in os.environ.get("CUSTODY_CRASH_POINTS", "").split(",") if p)
+_unknown = _enabled - POINTS
+if _unknown:
+    raise RuntimeError(f"unknown crash points: {sorted(_unknown)}")
+
+
+def crash_point(name: str) -> None:
+    """Die here, now, without cleanup, if the test enabled this point."""
+    if name in _enabled:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def enabled(name: str) -> bool:
+    return name in _enabled

@@ -1,0 +1,82 @@
+"""Start and stop real worker processes (the demo, the acceptance tests, the bench)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.config import ROOT
+
+ENGINE_WORKERS = ("committer", "publisher", "receipts", "reconciler")
+PARTICIPANTS = ("inventory", "payments", "shipping")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Fleet:
+    """A set of worker processes sharing one environment (database, vhost, routes)."""
+
+    env: Mapping[str, str]
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, worker: str, *, name: str | None = None,
+              extra_env: Mapping[str, str] | None = None) -> Proc:
+        label = f"{worker}-{name}" if name else worker
+        label = f"{label}-{sum(p.name.startswith(label) for p in self.procs) + 1}"
+        log = self.log_dir / f"{label}.log"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "workers.cli", "run", worker]
+        if name:
+            args += ["--name", name]
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        with log.open("ab") as out:
+            popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = Proc(label, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_all(self, replicas: int = 1,
+                  participant_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        for _ in range(replicas):
+            for worker in ENGINE_WORKERS:
+                self.start(worker)
+            for name in PARTICIPANTS:
+                self.start("participant", name=name,
+                           extra_env=(participant_env or {}).get(name))
+
+    def alive(self) -> list[str]:
+        return [p.name for p in self.procs if p.popen.poll() is None]
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(p.name, p.popen.returncode) for p in self.procs if p.popen.poll() is not None]
+
+    def signal(self, proc: Proc, sig: signal.Signals) -> None:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(sig)
+
+    def stop(self, grace_s: float = 30.0) -> dict[str, int]:
+        """SIGTERM everyone, wait for the drain, SIGKILL what is left; exit codes."""
+        for p in self.procs:
+            self.signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int] = {}
+        for p in self.procs:
+            try:
+                codes[p.name] = p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                codes[p.name] = p.popen.wait()
+        return codes

@@ -1,0 +1,145 @@
+"""The operation lifecycle: a transition table as data and one function over it.
+
+Pure: no I/O. Every transition the engine writes goes through :func:`next_status`;
+the database guards the same transitions with the expected current status in each
+UPDATE's WHERE clause. ``docs/lifecycle.md`` is generated from :data:`TRANSITIONS`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    DISPATCHED = "dispatched"
+    ACCEPTED = "accepted"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    RETRY_WAITING = "retry_waiting"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    RECONCILE_PENDING = "reconcile_pending"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class Effect(enum.StrEnum):
+    NONE = "none"
+    APPLIED = "applied"
+    UNKNOWN = "unknown"
+
+
+class InstanceStatus(enum.StrEnum):
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Event(enum.StrEnum):
+    CONFIRMED = "confirmed"  # the broker confirmed the submit's publication
+    ACCEPTED = "receipt.accepted"
+    SUCCEEDED = "receipt.succeeded"
+    FAILED = "receipt.failed"  # failed, effect none or applied: authoritative
+    FAILED_UNKNOWN = "receipt.failed.effect_unknown"
+    CANCELLED = "receipt.cancelled"
+    REJECTED = "receipt.rejected"  # refused before any effect (effect none)
+    CONFLICT = "receipt.conflict"  # the owner holds other work under this identity
+    DEADLINE = "deadline"
+    RECONCILE = "reconcile"
+    QUERY_NONE = "query.none"
+    RETRY_SAFE = "retry_safe"
+    CANCEL = "cancel"
+
+
+TERMINAL: Final = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
+
+
+class Ignore(enum.Enum):
+    """The event is valid but no longer changes anything (e.g. a late ``accepted``)."""
+
+    IGNORE = "ignore"
+
+
+IGNORE: Final = Ignore.IGNORE
+
+S, E = Status, Event
+_IN_FLIGHT = (S.PENDING, S.DISPATCHED, S.ACCEPTED)
+_UNRESOLVED = (*_IN_FLIGHT, S.OUTCOME_UNKNOWN, S.RECONCILE_PENDING)
+
+TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
+    # The publisher's confirm mark never moves an operation backward.
+    (S.PENDING, E.CONFIRMED): S.DISPATCHED,
+    **{(s, E.CONFIRMED): IGNORE for s in Status if s is not S.PENDING},
+    # Acceptance is progress only while nothing later is known.
+    (S.PENDING, E.ACCEPTED): S.ACCEPTED,
+    (S.DISPATCHED, E.ACCEPTED): S.ACCEPTED,
+    **{
+        (s, E.ACCEPTED): IGNORE
+        for s in (S.ACCEPTED, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.CANCELLING,
+                  S.OUTCOME_UNKNOWN, S.RECONCILE_PENDING)
+    },
+    # Authoritative outcomes resolve every unresolved state, and win a cancel race.
+    **{(s, E.SUCCEEDED): S.SUCCEEDED for s in (*_UNRESOLVED, S.CANCELLING)},
+    **{(s, E.FAILED): S.FAILED for s in (*_UNRESOLVED, S.CANCELLING)},
+    **{(s, E.FAILED_UNKNOWN): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
+    (S.CANCELLING, E.FAILED_UNKNOWN): S.CANCELLING,
+    (S.CANCELLING, E.CANCELLED): S.CANCELLED,
+    **{(s, E.REJECTED): S.FAILED for s in _UNRESOLVED},
+    (S.CANCELLING, E.REJECTED): S.CANCELLED,
+    **{(s, E.CONFLICT): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
+    (S.CANCELLING, E.CONFLICT): S.CANCELLING,
+    # A timeout is never permission to create new work: it only suspends.
+    **{(s, E.DEADLINE): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
+    (S.OUTCOME_UNKNOWN, E.RECONCILE): S.RECONCILE_PENDING,
+    (S.RECONCILE_PENDING, E.QUERY_NONE): S.OUTCOME_UNKNOWN,
+    (S.RETRY_WAITING, E.RETRY_SAFE): S.PENDING,
+    **{(s, E.CANCEL): S.CANCELLING for s in _UNRESOLVED},
+    (S.RETRY_WAITING, E.CANCEL): S.CANCELLED,
+}
+
+
+class IllegalTransition(ValueError):
+    """The event is not allowed in the current status (an integrity violation)."""
+
+    def __init__(self, status: Status, event: Event) -> None:
+        super().__init__(f"{event.value} is not allowed from {status.value}")
+        self.status = status
+        self.event = event
+
+
+def next_status(status: Status, event: Event) -> Status | Ignore:
+    """The status after ``event``, :data:`IGNORE`, or :class:`IllegalTransition`."""
+    try:
+        return TRANSITIONS[(status, event)]
+    except KeyError:
+        raise IllegalTransition(status, event) from None
+
+
+def receipt_event(status: str, effect: str, error_code: str | None) -> Event:
+    """Map a validated receipt's (status, effect) to the lifecycle event it is."""
+    if status == "accepted":
+        return Event.ACCEPTED
+    if status == "succeeded":
+        return Event.SUCCEEDED
+    if status == "failed":
+        return Event.FAILED_UNKNOWN if effect == "unknown" else Event.FAILED
+    if status == "cancelled":
+        return Event.CANCELLED
+    if error_code == "digest_conflict":
+        return Event.CONFLICT
+    return Event.REJECTED
+
+
+def mermaid() -> str:
+    """The state diagram, generated from the table so it cannot drift."""
+    lines = ["stateDiagram-v2", "    [*] --> pending"]
+    for (source, event), target in TRANSITIONS.items():
+        if target is IGNORE or target == source:
+            continue
+        lines.append(f"    {source.value} --> {target.value}: {event.value}")
+    lines.extend(f"    {s.value} --> [*]" for s in sorted(TERMINAL))
+    return "\n".join(lines) + "\n"

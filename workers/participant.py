@@ -1,0 +1,342 @@
+"""The participant runtime: the library a participant service embeds.
+
+It owns two commit boundaries in the participant's own database:
+
+* *acceptance*: a batch of commands is retained (inbox row with its identity and
+  semantic digest, plus an ``accepted`` receipt in the participant's outbox) in one
+  transaction; the deliveries are acked only after that commit;
+* *completion*: the business effect and the terminal receipt commit together, one
+  savepoint per command inside one transaction per batch.
+
+A repeated command with the same digest gets the existing receipt again (same id,
+same bytes) and never runs the handler again; the same identity with a different
+digest is a conflict, recorded and answered, never executed. Receipts leave through
+the participant's own outbox publisher, under the participant's broker user.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from contracts import codec, identity
+from contracts.models import (
+    CancelCommand,
+    OperationReceipt,
+    QueryAnswer,
+    QueryCommand,
+    ReceiptError,
+    SubmitCommand,
+)
+from workers import broker, db, faults, metrics, publisher, runtime
+from workers.config import Settings
+from workers.errors import backoff_seconds
+
+AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
+MAX_EXECUTIONS = 5
+
+
+class BusinessFailure(Exception):
+    """The handler decided the work fails; its effects are rolled back (effect none)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a handler gets: the command's identity and input, and the transaction in
+    which its effect commits together with the terminal receipt."""
+
+    tx: db.Tx
+    tenant: str
+    operation_id: str
+    request_id: str
+    attempt: int
+    operation: str
+    input: Mapping[str, Any]
+
+
+Handler = Callable[[Call], Awaitable[Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Identity:
+    owner: str
+    principal: str
+    bindings: frozenset[str]
+
+
+def _receipt(cmd: Mapping[str, Any], me: Identity, *, status: str, effect: str, revision: int,
+             in_reply_to: str, digest: str, result: Mapping[str, Any] | None = None,
+             error: ReceiptError | None = None) -> OperationReceipt:
+    return OperationReceipt(
+        receipt_id=identity.receipt_id(cmd["request_id"], revision),
+        tenant=cmd["tenant"], operation_id=cmd["operation_id"], attempt=cmd["attempt"],
+        request_id=cmd["request_id"], in_reply_to=in_reply_to, owner=me.owner,
+        principal=me.principal, command_digest=digest, owner_revision=revision,
+        status=status,  # type: ignore[arg-type]
+        effect=effect,  # type: ignore[arg-type]
+        result=dict(result) if result is not None else None, error=error,
+        emitted_at=datetime.now(UTC),
+    )
+
+
+def _outbox_row(message_id: str, body: bytes, operation_id: str) -> dict[str, Any]:
+    return {"id": message_id, "exchange": broker.EXCHANGE_RECEIPTS,
+            "routing_key": broker.RECEIPTS_KEY, "body": body, "headers": db.jsonb({}),
+            "operation_id": operation_id}
+
+
+class Participant:
+    def __init__(self, me: Identity, handlers: Mapping[str, Handler], settings: Settings,
+                 database: db.Database) -> None:
+        self.me = me
+        self.handlers = dict(handlers)
+        self.settings = settings
+        self.db = database
+
+    async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
+        """Retain a batch of commands in one transaction; returns each one's decision."""
+        decisions: list[str] = []
+        receipts: list[OperationReceipt] = []
+        refused: list[dict[str, Any]] = []
+        conflicts: list[dict[str, Any]] = []
+        fresh: list[tuple[SubmitCommand, str, str]] = []  # (command, status, error code)
+        reemit: list[str] = []
+        queries: list[QueryCommand] = []
+        async with self.db.transaction() as tx:
+            commands: list[tuple[broker.Delivery, Any]] = []
+            for d in deliveries:
+                try:
+                    commands.append((d, codec.decode_command(d.body, self.settings.max_message_bytes)))
+                except codec.DecodeError as exc:
+                    refused.append(_refused(d, exc.reason, exc.detail))
+                    commands.append((d, None))
+            submits = [c for _, c in commands if isinstance(c, SubmitCommand)]
+            ids = list({c.request_id for c in submits})
+            stored = {r["request_id"]: r for r in await tx.rows("p_inbox_get", {"ids": ids})}
+            tombstoned = {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
+            batch_seen: dict[str, str] = {}
+            for d, c in commands:
+                if c is None:
+                    decisions.append("refused")
+                    continue
+                why = self._refusal(c)
+                if why is not None:
+                    refused.append(_refused(d, why[0], why[1]))
+                    decisions.append("refused")
+                    continue
+                if isinstance(c, QueryCommand):
+                    queries.append(c)
+                    decisions.append("query")
+                    continue
+                if isinstance(c, CancelCommand):
+                    refused.append(_refused(d, "unsupported_kind", "cancel is not handled yet"))
+                    decisions.append("refused")
+                    continue
+                known = stored.get(c.request_id)
+                known_digest = known["digest"] if known else batch_seen.get(c.request_id)
+                if known_digest is None and c.request_id in tombstoned:
+                    refused.append(_refused(d, "tombstoned", "cancelled before acceptance"))
+                    decisions.append("tombstoned")
+                    continue
+                if known_digest is None:
+                    handler_known = c.operation in self.handlers
+                    fresh.append((c, "accepted" if handler_known else "rejected",
+                                  "" if handler_known else "unknown_operation"))
+                    batch_seen[c.request_id] = c.digest
+                    decisions.append("accepted" if handler_known else "rejected")
+                elif known_digest == c.digest:
+                    reemit.append(c.request_id)
+                    decisions.append("duplicate")
+                else:
+                    conflicts.append({"request_id": c.request_id, "stored_digest": known_digest,
+                                      "received_digest": c.digest,
+                                      "command": db.jsonb(c.model_dump(mode="json"))})
+                    revision = int(known["owner_revision"]) if known else 1
+                    receipts.append(_receipt(
+                        _cmd(c), self.me, status="rejected", effect="none", revision=revision,
+                        in_reply_to=c.request_id, digest=c.digest,
+                        error=ReceiptError(code="digest_conflict",
+                                           message="this identity holds a command with another digest")))
+                    decisions.append("conflict")
+            for c, status, code in fresh:
+                receipts.append(_receipt(
+                    _cmd(c), self.me, status=status, effect="none", revision=1,
+                    in_reply_to=c.request_id, digest=c.digest,
+                    error=ReceiptError(code=code, message=f"no handler for {c.operation}") if code else None))
+            if fresh:
+                await tx.rows("p_inbox_accept", {
+                    "request_id": [c.request_id for c, _, _ in fresh],
+                    "tenant": [c.tenant for c, _, _ in fresh],
+                    "operation_id": [c.operation_id for c, _, _ in fresh],
+                    "attempt": [c.attempt for c, _, _ in fresh],
+                    "operation": [c.operation for c, _, _ in fresh],
+                    "digest": [c.digest for c, _, _ in fresh],
+                    "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c, _, _ in fresh],
+                    "status": [s for _, s, _ in fresh],
+                    "effect": ["none" for _ in fresh],
+                    "owner_revision": [1 for _ in fresh],
+                })
+            answers = await self._answers(tx, queries)
+            await self._emit(tx, receipts, answers)
+            await tx.run("p_reemit_latest", {"ids": reemit})
+            await tx.run_many("p_conflict_insert", conflicts)
+            await tx.run_many("p_refused_insert", refused)
+        faults.crash_point("after_commit_before_ack")
+        for decision in decisions:
+            metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
+        return decisions
+
+    def _refusal(self, c: SubmitCommand | QueryCommand | CancelCommand) -> tuple[str, str] | None:
+        if c.target.owner != self.me.owner or c.target.binding not in self.me.bindings:
+            return "wrong_owner", f"target {c.target.owner}/{c.target.binding} is not ours"
+        if isinstance(c, SubmitCommand) and c.semantic_digest() != c.digest:
+            return "digest_mismatch", "the digest does not match the command's fields"
+        return None
+
+    async def _answers(self, tx: db.Tx, queries: Sequence[QueryCommand]) -> list[QueryAnswer]:
+        if not queries:
+            return []
+        latest = {r["request_id"]: r for r in await tx.rows(
+            "p_latest_receipts", {"ids": list({q.submit_request_id for q in queries})})}
+        answers = []
+        for q in queries:
+            row = latest.get(q.submit_request_id)
+            receipt = codec.decode_receipt(bytes(row["body"])) if row else None
+            if receipt is not None and receipt.command_digest != q.digest:
+                receipt = None  # our receipt is about other work: not an answer to this
+            answers.append(QueryAnswer(
+                answer_id=identity.answer_id(q.request_id, receipt.owner_revision if receipt else 0),
+                tenant=q.tenant, operation_id=q.operation_id, attempt=q.attempt,
+                request_id=q.submit_request_id, in_reply_to=q.request_id, owner=self.me.owner,
+                principal=self.me.principal, receipt=receipt, emitted_at=datetime.now(UTC)))
+        return answers
+
+    async def _emit(self, tx: db.Tx, receipts: Sequence[OperationReceipt],
+                    answers: Sequence[QueryAnswer] = ()) -> None:
+        bodies = [(r, codec.encode(r)) for r in receipts]
+        await tx.run_many("p_receipt_insert", [
+            {"receipt_id": r.receipt_id, "request_id": r.request_id,
+             "owner_revision": r.owner_revision, "body": b} for r, b in bodies])
+        rows = [_outbox_row(r.receipt_id, b, r.operation_id) for r, b in bodies]
+        rows += [_outbox_row(a.answer_id, codec.encode(a), a.operation_id) for a in answers]
+        await tx.run_many("p_outbox_insert", rows)
+
+    async def execute(self) -> int:
+        """Run the handlers of a batch of accepted commands; effects and terminal
+        receipts commit together. Returns how many commands it claimed."""
+        async with self.db.transaction() as tx:
+            rows = await tx.rows("p_exec_claim", {"limit": self.settings.batch_size})
+            receipts: list[OperationReceipt] = []
+            for row in rows:
+                receipt = await self._run_one(tx, row)
+                if receipt is not None:
+                    receipts.append(receipt)
+            await self._emit(tx, receipts)
+        return len(rows)
+
+    async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:
+        command = row["command"]
+        call = Call(tx=tx, tenant=row["tenant"], operation_id=row["operation_id"],
+                    request_id=row["request_id"], attempt=row["attempt"],
+                    operation=row["operation"], input=command["input"])
+        handler = self.handlers[row["operation"]]
+        revision = int(row["owner_revision"]) + 1
+        result: Mapping[str, Any] | None = None
+        error: ReceiptError | None = None
+        try:
+            async with tx.savepoint():
+                result = await handler(call)
+                faults.crash_point("mid_effect")
+            status, effect = "succeeded", "applied"
+        except BusinessFailure as exc:
+            status, effect = "failed", "none"
+            error = ReceiptError(code=exc.code, message=exc.message[:2000])
+        except Exception as exc:  # a handler bug: its savepoint rolled back, so no effect
+            if row["executions"] + 1 < MAX_EXECUTIONS:
+                runtime.event("participant.handler_error", logging.WARNING, owner=self.me.owner,
+                              request_id=row["request_id"], error=repr(exc)[:300])
+                await tx.run("p_exec_defer", {"request_id": row["request_id"],
+                                              "delay": backoff_seconds(row["executions"], base=1)})
+                return None
+            status, effect = "failed", "none"
+            error = ReceiptError(code="handler_error", message=repr(exc)[:2000])
+        await tx.run("p_exec_complete", {
+            "request_id": row["request_id"], "status": status, "effect": effect,
+            "owner_revision": revision, "result": db.jsonb(result) if result is not None else None,
+            "error": db.jsonb(error.model_dump()) if error else None})
+        return _receipt(row, self.me, status=status, effect=effect, revision=revision,
+                        in_reply_to=row["request_id"], digest=row["digest"], result=result,
+                        error=error)
+
+
+def _cmd(c: SubmitCommand) -> dict[str, Any]:
+    return {"request_id": c.request_id, "tenant": c.tenant, "operation_id": c.operation_id,
+            "attempt": c.attempt}
+
+
+def _refused(d: broker.Delivery, reason: str, detail: str) -> dict[str, Any]:
+    return {"reason": reason, "detail": detail[:2000], "message_id": d.message_id, "body": d.body}
+
+
+async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Settings,
+                stop: runtime.Stop, health: runtime.Health, *, schema: str) -> None:
+    """Run a participant: acceptance consumer, executor and receipt publisher."""
+    database = db.Database(settings.participant_database_url, schema=schema, name=me.owner,
+                           max_size=4)
+    amqp = broker.Broker(settings.amqp_url, me.owner)
+    await database.open()
+    await amqp.connect()
+    health.checks["broker"] = lambda: amqp.connected
+    part = Participant(me, handlers, settings, database)
+    exec_waker = runtime.Waker(settings.poll_interval_s)
+    pub_waker = runtime.Waker(settings.poll_interval_s)
+    pub = publisher.OutboxPublisher(
+        owner=me.owner, database=database, lease=None,
+        publisher=await amqp.publisher(window=settings.confirm_window,
+                                       timeout_s=settings.confirm_timeout_s,
+                                       user_id=me.principal),
+        batch_size=settings.batch_size, claim_ttl_s=settings.lease_ttl_s, engine=False)
+
+    async def nothing() -> None:
+        return None
+
+    async def consume() -> None:
+        queues = [broker.command_queue(b) for b in sorted(me.bindings)]
+        async with amqp.consume(queues, settings.prefetch) as inbox:
+            while not stop.requested:
+                batch = await runtime.next_batch(
+                    inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
+                if not batch:
+                    continue
+                metrics.REDELIVERIES.labels(me.owner).inc(sum(d.redelivered for d in batch))
+                await runtime.redo(lambda b=batch: part.accept(b), worker=me.owner, stop=stop,
+                                   on_fenced=nothing)
+                for d in batch:
+                    await d.ack()
+                exec_waker.kick()
+                pub_waker.kick()
+
+    async def execute() -> None:
+        while not stop.requested:
+            n = await runtime.redo(part.execute, worker=me.owner, stop=stop, on_fenced=nothing)
+            if n:
+                pub_waker.kick()
+            if n < settings.batch_size:
+                await exec_waker.wait()
+
+    try:
+        await runtime.supervise(main=[consume(), execute(),
+                                      publisher.loop(pub, stop, pub_waker, nothing, me.owner)])
+    finally:
+        await amqp.close()
+        await database.close()

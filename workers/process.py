@@ -1,0 +1,169 @@
+"""Versioned process definitions and the pure decisions over them.
+
+A definition (``deploy/processes/<name>.v<version>.toml``) is a graph of nodes; each
+node is one operation on a named route, with an input template and the next node
+for each outcome. Instances pin the definition version they started with.
+
+Input templates are JSON objects whose string values may reference data:
+``"$input.a.b"`` (the instance's input) or ``"$result.<node>.a"`` (the result of a
+node that succeeded earlier). Anything else is taken literally.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from workers.routes import Routes
+
+END_COMPLETED: Final = "@completed"
+END_FAILED: Final = "@failed"
+_FILE = re.compile(r"^(?P<name>[a-z0-9][a-z0-9_.\-]*)\.v(?P<version>[1-9][0-9]*)\.toml$")
+
+
+class DefinitionError(ValueError):
+    """A process definition is malformed or does not fit the routes."""
+
+
+class InputError(ValueError):
+    """An input template references data that is not there."""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    route: str
+    operation: str
+    input: Mapping[str, Any]
+    on_succeeded: str
+    on_failed: str
+    deadline_seconds: int
+
+
+@dataclass(frozen=True)
+class Definition:
+    name: str
+    version: int
+    start: str
+    nodes: Mapping[str, Node]
+
+    def node(self, name: str) -> Node:
+        return self.nodes[name]
+
+    def successor(self, node: str, outcome: str) -> str:
+        """The next node (or an ``@`` end marker) after ``node`` ended in ``outcome``."""
+        n = self.nodes[node]
+        if outcome == "succeeded":
+            return n.on_succeeded
+        if outcome == "failed":
+            return n.on_failed
+        raise ValueError(f"no successor for outcome {outcome!r}")
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every loaded version of every process."""
+
+    definitions: Mapping[tuple[str, int], Definition]
+
+    def get(self, name: str, version: int) -> Definition:
+        try:
+            return self.definitions[(name, version)]
+        except KeyError:
+            raise DefinitionError(f"unknown process {name!r} version {version}") from None
+
+    def latest(self, name: str) -> Definition:
+        versions = [v for (n, v) in self.definitions if n == name]
+        if not versions:
+            raise DefinitionError(f"unknown process {name!r}")
+        return self.definitions[(name, max(versions))]
+
+
+def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
+    try:
+        name, version, start = data["name"], data["version"], data["start"]
+        raw_nodes = data["nodes"]
+    except KeyError as exc:
+        raise DefinitionError(f"missing key {exc}") from None
+    nodes: dict[str, Node] = {}
+    for node_name, body in raw_nodes.items():
+        unknown = set(body) - {
+            "route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds"
+        }
+        if unknown:
+            raise DefinitionError(f"node {node_name!r}: unknown keys {sorted(unknown)}")
+        try:
+            node = Node(
+                name=node_name,
+                route=body["route"],
+                operation=body["operation"],
+                input=body.get("input", {}),
+                on_succeeded=body.get("on_succeeded", END_COMPLETED),
+                on_failed=body.get("on_failed", END_FAILED),
+                deadline_seconds=int(body.get("deadline_seconds", 60)),
+            )
+        except KeyError as exc:
+            raise DefinitionError(f"node {node_name!r}: missing {exc}") from None
+        route = routes.by_name.get(node.route)
+        if route is None:
+            raise DefinitionError(f"node {node_name!r}: unknown route {node.route!r}")
+        if node.operation not in route.operations:
+            raise DefinitionError(
+                f"node {node_name!r}: route {node.route!r} does not serve {node.operation!r}"
+            )
+        nodes[node_name] = node
+    targets = {start} | {n.on_succeeded for n in nodes.values()} | {
+        n.on_failed for n in nodes.values()
+    }
+    for target in targets:
+        if target not in nodes and target not in (END_COMPLETED, END_FAILED):
+            raise DefinitionError(f"{name} v{version}: unknown node {target!r}")
+    return Definition(name=name, version=int(version), start=start, nodes=nodes)
+
+
+def load_dir(path: Path, routes: Routes) -> Catalog:
+    definitions: dict[tuple[str, int], Definition] = {}
+    for file in sorted(path.glob("*.toml")):
+        match = _FILE.match(file.name)
+        if not match:
+            raise DefinitionError(f"{file.name}: expected <name>.v<version>.toml")
+        try:
+            definition = parse(tomllib.loads(file.read_text()), routes)
+        except (OSError, tomllib.TOMLDecodeError, DefinitionError) as exc:
+            raise DefinitionError(f"{file}: {exc}") from None
+        if (definition.name, definition.version) != (
+            match["name"],
+            int(match["version"]),
+        ):
+            raise DefinitionError(f"{file.name}: name/version differ from the file name")
+        definitions[(definition.name, definition.version)] = definition
+    if not definitions:
+        raise DefinitionError(f"no process definitions in {path}")
+    return Catalog(definitions)
+
+
+def render_input(
+    template: Mapping[str, Any], instance_input: Mapping[str, Any], results: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The operation input for a node, from its template, deterministically."""
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        if isinstance(value, str) and value.startswith(("$input.", "$result.")):
+            head, *path = value[1:].split(".")
+            current: Any = instance_input if head == "input" else results
+            for key in path:
+                if not isinstance(current, dict) or key not in current:
+                    raise InputError(f"{value}: {key!r} not found")
+                current = current[key]
+            return current
+        return value
+
+    return {k: resolve(v) for k, v in template.items()}

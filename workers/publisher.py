@@ -1,0 +1,145 @@
+"""The outbox publisher: owner of the *broker confirmation* boundary.
+
+Claims pending rows in batches (``FOR UPDATE SKIP LOCKED`` plus a claim expiry, in a
+short transaction), publishes them with a bounded window of unconfirmed messages,
+and marks a row published — in a second short transaction — only after a positive,
+non-returned confirm. A nack, a return or a timeout leaves the row pending, to be
+sent again with backoff under the same message id. No transaction is held open
+while publishing. The same code serves the engine's outbox and a participant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from workers import broker, db, faults, metrics, runtime
+from workers.config import Settings
+from workers.errors import backoff_seconds
+
+ACTOR = "publisher"
+
+
+class OutboxPublisher:
+    def __init__(
+        self,
+        *,
+        owner: str,
+        database: db.Database,
+        lease: db.Lease | None,
+        publisher: broker.Publisher,
+        batch_size: int,
+        claim_ttl_s: float,
+        engine: bool,
+    ) -> None:
+        self.owner = owner
+        self.db = database
+        self.lease = lease
+        self.publisher = publisher
+        self.batch_size = batch_size
+        self.claim_ttl_s = claim_ttl_s
+        self.engine = engine
+        self.holder = lease.holder if lease else f"{owner}-{id(self):x}"
+
+    async def paused(self) -> bool:
+        if not self.engine:
+            return False
+        async with self.db.transaction() as tx:
+            row = await tx.one("control_get")
+        return bool(row and row["dispatch_paused"])
+
+    async def claim(self) -> list[dict[str, Any]]:
+        async with self.db.transaction(self.lease) as tx:
+            return await tx.rows(
+                "outbox_claim",
+                {"holder": self.holder, "ttl": self.claim_ttl_s, "limit": self.batch_size},
+            )
+
+    async def run_once(self) -> int:
+        """One claim → publish → mark cycle; returns how many rows it claimed."""
+        if await self.paused():
+            return 0
+        rows = await self.claim()
+        if not rows:
+            return 0
+        outgoing = [
+            broker.Outgoing(str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]),
+                            r["headers"] or {})
+            for r in rows
+        ]
+        started = time.monotonic()
+        sending = asyncio.ensure_future(self.publisher.publish_many(outgoing))
+        if faults.enabled("after_publish_before_confirm"):
+            await asyncio.sleep(0.05)
+            faults.crash_point("after_publish_before_confirm")
+        outcomes = await sending
+        metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - started)
+        faults.crash_point("after_confirm_before_mark")
+        await self.mark(rows, outcomes)
+        return len(rows)
+
+    async def mark(self, rows: Sequence[dict[str, Any]], outcomes: Sequence[broker.Outcome]) -> None:
+        by_id = {str(r["id"]): r for r in rows}
+        ok = [o.message_id for o in outcomes if o.ok]
+        failed = [o for o in outcomes if not o.ok]
+        async with self.db.transaction(self.lease) as tx:
+            marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
+            if self.engine:
+                op_ids = [r["operation_id"] for r in marked if r["operation_id"] is not None]
+                moved = await tx.rows("operations_dispatched", {"ids": op_ids})
+                await tx.run_many("history_insert", [
+                    {"instance_id": m["instance_id"], "operation_id": m["id"],
+                     "event": "operation.dispatched", "detail": db.jsonb({}), "actor": ACTOR}
+                    for m in moved])
+            await tx.run_many("outbox_release", [
+                {"id": o.message_id, "holder": self.holder, "error": o.error[:500],
+                 "delay": backoff_seconds(int(by_id[o.message_id]["publish_attempts"]))}
+                for o in failed])
+        metrics.PUBLISHED.labels(self.owner).inc(len(marked))
+        for o in failed:
+            kind = o.error.split(":", 1)[0]
+            metrics.PUBLISH_FAILURES.labels(self.owner, kind).inc()
+        if failed:
+            runtime.event("outbox.publish_failed", logging.WARNING, owner=self.owner,
+                          failed=len(failed), first_error=failed[0].error[:300])
+
+    async def sample(self) -> None:
+        async with self.db.transaction() as tx:
+            row = await tx.one("outbox_stats")
+        if row:
+            metrics.OUTBOX_PENDING.labels(self.owner).set(row["pending"])
+            metrics.OUTBOX_OLDEST_AGE.labels(self.owner).set(row["oldest_age_s"])
+
+
+async def loop(pub: OutboxPublisher, stop: runtime.Stop, waker: runtime.Waker,
+               on_fenced: Any, worker: str) -> None:
+    """Claim while there is work; otherwise wait for a NOTIFY or the poll interval."""
+    last_sample = 0.0
+    while not stop.requested:
+        n = await runtime.redo(pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced)
+        if time.monotonic() - last_sample > 5:
+            await runtime.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
+            last_sample = time.monotonic()
+        if n < pub.batch_size:
+            await waker.wait()
+
+
+async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
+    from workers import engine
+
+    async with engine.context(settings, ACTOR, health) as ctx:
+        pub = OutboxPublisher(
+            owner="engine", database=ctx.db, lease=ctx.lease,
+            publisher=await ctx.broker.publisher(
+                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s,
+                user_id=None),
+            batch_size=settings.batch_size, claim_ttl_s=settings.lease_ttl_s, engine=True,
+        )
+        waker = runtime.Waker(settings.poll_interval_s)
+        await runtime.supervise(
+            main=[loop(pub, stop, waker, ctx.reacquire, ACTOR)],
+            side=[ctx.heartbeat(), waker.follow(ctx.db.listen("custody_outbox"))],
+        )

@@ -1,0 +1,244 @@
+"""The receipt consumer: owner of the *workflow receipt application* boundary.
+
+A batch of receipts (and query answers, through the same path) is validated and
+applied in one transaction: the result, the operation's status and owner revision,
+the receipt's identity (so it applies at most once), and the successor intent. The
+deliveries are acked only after that commit. Anything invalid is quarantined with
+its reason in the same transaction, acked, and changes nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from contracts import codec
+from contracts.models import OperationReceipt, QueryAnswer
+from workers import broker, db, engine, faults, lifecycle, metrics, process, runtime, validation
+from workers.config import Settings
+
+ACTOR = "receipts"
+AckPolicy = "ack after commit; invalid receipts are quarantined in that commit and acked"
+
+
+@dataclass
+class _Writes:
+    quarantine: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    updates: list[dict[str, Any]]
+    history: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]
+    successors: list[dict[str, Any]]
+    suspend: list[dict[str, Any]]
+    latencies: list[float]
+    verdicts: list[str]
+
+
+def _view(row: dict[str, Any]) -> validation.OperationView:
+    return validation.OperationView(
+        id=str(row["id"]), tenant=row["tenant"], owner=row["owner"], principal=row["principal"],
+        attempt=row["attempt"], status=lifecycle.Status(row["status"]),
+        effect=lifecycle.Effect(row["effect"]), owner_revision=row["owner_revision"],
+        receipt_hash=row["receipt_hash"],
+    )
+
+
+class ReceiptConsumer:
+    def __init__(self, settings: Settings, database: db.Database, lease: db.Lease | None,
+                 catalog: process.Catalog) -> None:
+        self.settings = settings
+        self.db = database
+        self.lease = lease
+        self.catalog = catalog
+
+    async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
+        """Validate and apply a batch in one transaction; returns each delivery's verdict."""
+        w = _Writes([], [], [], [], [], [], [], [], [])
+        decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
+        verdict_of: dict[int, str] = {}
+        for i, d in enumerate(deliveries):
+            try:
+                decoded.append((i, d, codec.decode_receipt(d.body, self.settings.max_message_bytes)))
+            except codec.DecodeError as exc:
+                w.quarantine.append(_quarantine(d, exc.reason, exc.detail))
+                verdict_of[i] = "quarantine"
+        async with self.db.transaction(self.lease) as tx:
+            op_ids = list({m.operation_id for _, _, m in decoded})
+            rows = {str(r["id"]): r for r in await tx.rows("operations_lock", {"ids": op_ids})}
+            views = {k: _view(r) for k, r in rows.items()}
+            request_ids = list({x for _, _, m in decoded for x in (m.request_id, m.in_reply_to)})
+            issued = {r["request_id"]: validation.IssuedRequest(**r)
+                      for r in await tx.rows("attempts_for", {"ids": request_ids})}
+            receipt_ids = [r.receipt_id for r in (_inner(m) for _, _, m in decoded) if r is not None]
+            seen = {r["receipt_id"]: r["content_hash"]
+                    for r in await tx.rows("receipts_seen", {"ids": receipt_ids})}
+            for i, d, message in decoded:
+                verdict_of[i] = self._one(d, message, views, rows, issued, seen, w)
+            await tx.run_many("quarantine_insert", w.quarantine)
+            await tx.run_many("receipt_record", w.records)
+            changed = await tx.run_many("operation_apply", w.updates)
+            if changed != len(w.updates):
+                raise RuntimeError("an operation changed under its row lock")
+            await tx.run_many("node_finish", w.nodes)
+            await tx.run_many("successor_insert", w.successors)
+            await tx.run_many("instance_suspend", w.suspend)
+            await tx.run_many("history_insert", w.history)
+        faults.crash_point("receipts_after_commit_before_ack")
+        for row in w.quarantine:
+            metrics.quarantined(row["source"], row["reason"])
+        for v in w.verdicts:
+            metrics.RECEIPTS.labels(v).inc()
+        for seconds in w.latencies:
+            metrics.END_TO_END.observe(seconds)
+        return [verdict_of[i] for i in range(len(deliveries))]
+
+    def _one(self, d: broker.Delivery, message: OperationReceipt | QueryAnswer,
+             views: dict[str, validation.OperationView], rows: dict[str, dict[str, Any]],
+             issued: dict[str, validation.IssuedRequest], seen: dict[str, str],
+             w: _Writes) -> str:
+        op = views.get(message.operation_id)
+        if isinstance(message, QueryAnswer):
+            refusal = _answer_refusal(message, d.user_id, op, issued)
+            if refusal:
+                w.quarantine.append(_quarantine(d, refusal[0], refusal[1], message))
+                w.verdicts.append("quarantine")
+                return "quarantine"
+            if message.receipt is None:
+                return self._no_receipt(message, op, w)
+            receipt = message.receipt
+        else:
+            receipt = message
+        decision = validation.decide(receipt, user_id=d.user_id, op=op, issued=issued,
+                                     seen_hash=seen.get(receipt.receipt_id))
+        w.verdicts.append(decision.verdict.value)
+        if decision.verdict is validation.Verdict.QUARANTINE:
+            w.quarantine.append(_quarantine(d, decision.reason, decision.detail, receipt))
+            return "quarantine"
+        if decision.verdict is validation.Verdict.DUPLICATE:
+            return "duplicate"
+        assert op is not None
+        seen[receipt.receipt_id] = decision.content_hash
+        w.records.append({
+            "receipt_id": receipt.receipt_id, "operation_id": receipt.operation_id,
+            "attempt": receipt.attempt, "owner_revision": receipt.owner_revision,
+            "status": receipt.status, "content_hash": decision.content_hash,
+            "decision": decision.verdict.value,
+        })
+        if decision.verdict is not validation.Verdict.APPLY:
+            return decision.verdict.value
+        assert decision.status is not None and decision.effect is not None
+        row = rows[op.id]
+        terminal = decision.status in lifecycle.TERMINAL
+        w.updates.append({
+            "id": op.id, "expected": op.status.value, "status": decision.status.value,
+            "effect": decision.effect.value, "owner_revision": receipt.owner_revision,
+            "receipt_hash": decision.content_hash,
+            "result": db.jsonb(receipt.result) if receipt.result is not None else None,
+            "error": db.jsonb(receipt.error.model_dump()) if receipt.error else None,
+            "terminal": terminal,
+        })
+        views[op.id] = replace(op, status=decision.status, effect=decision.effect,
+                               owner_revision=receipt.owner_revision,
+                               receipt_hash=decision.content_hash)
+        w.history.append({
+            "instance_id": row["instance_id"], "operation_id": op.id,
+            "event": f"operation.{decision.status.value}",
+            "detail": db.jsonb({"from": op.status.value, "owner_revision": receipt.owner_revision,
+                                "effect": decision.effect.value, "receipt_id": receipt.receipt_id}),
+            "actor": ACTOR,
+        })
+        if decision.status is lifecycle.Status.OUTCOME_UNKNOWN:
+            w.suspend.append({"id": row["instance_id"]})
+        if terminal:
+            w.latencies.append((datetime.now(UTC) - row["created_at"]).total_seconds())
+            w.nodes.append({"operation_id": op.id, "status": decision.status.value})
+            nxt = self._successor(row, decision.status)
+            if nxt is not None:
+                w.successors.append({"instance_id": row["instance_id"], "from_operation_id": op.id,
+                                     "outcome": decision.status.value, "next_node": nxt})
+        return "apply"
+
+    def _successor(self, row: dict[str, Any], status: lifecycle.Status) -> str | None:
+        if status is lifecycle.Status.CANCELLED:
+            return None
+        lineage = row["lineage"]
+        definition = self.catalog.get(lineage["process"], lineage["process_version"])
+        return definition.successor(row["node"], status.value)
+
+    def _no_receipt(self, answer: QueryAnswer, op: validation.OperationView | None,
+                    w: _Writes) -> str:
+        """A null query result: no receipt was returned, which proves nothing."""
+        assert op is not None
+        w.verdicts.append("no_receipt")
+        try:
+            target = lifecycle.next_status(op.status, lifecycle.Event.QUERY_NONE)
+        except lifecycle.IllegalTransition:
+            return "ignored"
+        if target is lifecycle.IGNORE:
+            return "ignored"
+        w.updates.append({
+            "id": op.id, "expected": op.status.value, "status": target.value,
+            "effect": op.effect.value, "owner_revision": op.owner_revision,
+            "receipt_hash": op.receipt_hash, "result": None, "error": None, "terminal": False,
+        })
+        return "apply"
+
+
+def _inner(message: OperationReceipt | QueryAnswer) -> OperationReceipt | None:
+    return message.receipt if isinstance(message, QueryAnswer) else message
+
+
+def _answer_refusal(answer: QueryAnswer, user_id: str | None,
+                    op: validation.OperationView | None,
+                    issued: dict[str, validation.IssuedRequest]) -> tuple[str, str] | None:
+    if op is not None and op.tenant != answer.tenant:
+        return "wrong_tenant", "answer tenant is not the operation's"
+    if not user_id or user_id != answer.principal:
+        return "principal_mismatch", f"delivered by {user_id!r}, claims {answer.principal!r}"
+    if op is None:
+        return "unknown_operation", f"no operation {answer.operation_id}"
+    if (answer.owner, answer.principal) != (op.owner, op.principal):
+        return "wrong_owner", "answer is not from the pinned owner"
+    query = issued.get(answer.in_reply_to)
+    if query is None or query.kind != "query" or query.operation_id != op.id:
+        return "unknown_request", "in_reply_to is not a query issued for this operation"
+    if answer.receipt is not None and answer.receipt.operation_id != answer.operation_id:
+        return "schema", "the answer's receipt is about another operation"
+    return None
+
+
+def _quarantine(d: broker.Delivery, reason: str, detail: str,
+                message: OperationReceipt | QueryAnswer | None = None) -> dict[str, Any]:
+    return {
+        "source": broker.QUEUE_RECEIPTS, "reason": reason, "detail": detail[:2000],
+        "message_id": d.message_id, "user_id": d.user_id,
+        "tenant": message.tenant if message else None,
+        "operation_id": message.operation_id if message else None,
+        "body": d.body,
+        "headers": db.jsonb({str(k)[:100]: str(v)[:500] for k, v in list(d.headers.items())[:32]}),
+        "worker": ACTOR,
+    }
+
+
+async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
+    async with engine.context(settings, ACTOR, health) as ctx:
+        consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
+
+        async def consume() -> None:
+            async with ctx.broker.consume([broker.QUEUE_RECEIPTS], settings.prefetch) as inbox:
+                while not stop.requested:
+                    batch = await runtime.next_batch(
+                        inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
+                    if not batch:
+                        continue
+                    metrics.REDELIVERIES.labels(ACTOR).inc(sum(d.redelivered for d in batch))
+                    await runtime.redo(lambda b=batch: consumer.apply(b), worker=ACTOR,
+                                       stop=stop, on_fenced=ctx.reacquire)
+                    for d in batch:
+                        await d.ack()
+
+        await runtime.supervise(main=[consume()], side=[ctx.heartbeat()])
+
+

@@ -1,0 +1,69 @@
+"""The reconciler: owner of timeouts and recovery transitions.
+
+Here it owns deadlines: an operation whose deadline passed without a terminal
+receipt becomes ``outcome_unknown`` and its instance is suspended (no further
+command is dispatched for it). A timeout never creates a new operation or attempt,
+and the reconciler never performs an effect itself: recovery goes back through the
+same transition path (outbox, receipts) as ordinary work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers import db, engine, lifecycle, metrics, runtime
+from workers.config import Settings
+
+ACTOR = "reconciler"
+
+
+class Reconciler:
+    def __init__(self, settings: Settings, database: db.Database, lease: db.Lease | None) -> None:
+        self.settings = settings
+        self.db = database
+        self.lease = lease
+
+    async def sweep_deadlines(self) -> int:
+        """One batch of overdue operations to ``outcome_unknown``, in one transaction."""
+        async with self.db.transaction(self.lease) as tx:
+            rows = await tx.rows("operations_overdue", {"limit": self.settings.batch_size})
+            updates: list[dict[str, Any]] = []
+            history: list[dict[str, Any]] = []
+            for row in rows:
+                status = lifecycle.Status(row["status"])
+                target = lifecycle.next_status(status, lifecycle.Event.DEADLINE)
+                assert isinstance(target, lifecycle.Status)
+                updates.append({"id": row["id"], "expected": status.value, "status": target.value})
+                history.append({"instance_id": row["instance_id"], "operation_id": row["id"],
+                                "event": f"operation.{target.value}",
+                                "detail": db.jsonb({"from": status.value, "cause": "deadline"}),
+                                "actor": ACTOR})
+            changed = await tx.run_many("operation_set_status", updates)
+            if changed != len(updates):
+                raise RuntimeError("an overdue operation changed under its row lock")
+            await tx.run_many("instance_suspend", [{"id": r["instance_id"]} for r in rows])
+            await tx.run_many("history_insert", history)
+        metrics.TRANSITIONS.labels("deadline").inc(len(rows))
+        return len(rows)
+
+    async def sample(self) -> None:
+        async with self.db.transaction() as tx:
+            rows = await tx.rows("operations_by_status")
+        counts = {r["status"]: r["n"] for r in rows}
+        for status in lifecycle.Status:
+            metrics.OPERATIONS.labels(status.value).set(counts.get(status.value, 0))
+
+
+async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
+    async with engine.context(settings, ACTOR, health) as ctx:
+        rec = Reconciler(settings, ctx.db, ctx.lease)
+
+        async def deadlines() -> None:
+            while not stop.requested:
+                n = await runtime.redo(rec.sweep_deadlines, worker=ACTOR, stop=stop,
+                                       on_fenced=ctx.reacquire)
+                await runtime.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
+                if n < settings.batch_size:
+                    await stop.sleep(settings.poll_interval_s)
+
+        await runtime.supervise(main=[deadlines()], side=[ctx.heartbeat()])

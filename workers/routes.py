@@ -1,0 +1,62 @@
+"""Trusted executor routes (deployment configuration, ``deploy/routes.toml``).
+
+A process author names a route; the route says who owns it, which broker user is
+its principal, and which binding its commands travel on. Instances pin what they
+used: a later file never redirects existing work.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from contracts.models import ExecutorRoute
+
+
+class RouteConfigError(ValueError):
+    """The routes file is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Routes:
+    by_name: Mapping[str, ExecutorRoute]
+
+    def get(self, name: str) -> ExecutorRoute:
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise RouteConfigError(f"unknown route {name!r}") from None
+
+    def owned_by(self, owner: str) -> list[ExecutorRoute]:
+        return [r for r in self.by_name.values() if r.owner == owner]
+
+    def bindings(self) -> list[str]:
+        return sorted({r.binding for r in self.by_name.values()})
+
+
+def parse(data: Mapping[str, object]) -> Routes:
+    raw = data.get("routes")
+    if not isinstance(raw, dict) or not raw:
+        raise RouteConfigError("a routes file needs a non-empty [routes] table")
+    routes: dict[str, ExecutorRoute] = {}
+    for name, body in raw.items():
+        if not isinstance(body, dict):
+            raise RouteConfigError(f"route {name!r} must be a table")
+        try:
+            routes[name] = ExecutorRoute.model_validate(
+                {**body, "name": name, "operations": tuple(body.get("operations", ()))}
+            )
+        except ValidationError as exc:
+            raise RouteConfigError(f"route {name!r}: {exc}") from None
+    return Routes(routes)
+
+
+def load(path: Path) -> Routes:
+    try:
+        return parse(tomllib.loads(path.read_text()))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RouteConfigError(f"{path}: {exc}") from None
