@@ -37,3 +37,8 @@ def receipt_id(request: str, owner_revision: int) -> str:
 
 def answer_id(query_request: str, owner_revision: int) -> str:
     return _derive("answer", query_request, owner_revision)
+
+
+def conflict_receipt_id(request: str, received_digest: str) -> str:
+    """The answer to a command that reused ``request`` with another digest."""
+    return _derive("conflict", request, received_digest)

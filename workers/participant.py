@@ -112,6 +112,7 @@ class Participant:
         fresh: list[tuple[SubmitCommand, str, str]] = []  # (command, status, error code)
         reemit: list[str] = []
         queries: list[QueryCommand] = []
+        conflict_answers: list[OperationReceipt] = []  # not journaled: not about our work
         async with self.db.transaction() as tx:
             commands: list[tuple[broker.Delivery, Any]] = []
             for d in deliveries:
@@ -162,11 +163,13 @@ class Participant:
                                       "received_digest": c.digest,
                                       "command": db.jsonb(c.model_dump(mode="json"))})
                     revision = int(known["owner_revision"]) if known else 1
-                    receipts.append(_receipt(
+                    answer = _receipt(
                         _cmd(c), self.me, status="rejected", effect="none", revision=revision,
                         in_reply_to=c.request_id, digest=c.digest,
                         error=ReceiptError(code="digest_conflict",
-                                           message="this identity holds a command with another digest")))
+                                           message="this identity holds a command with another digest"))
+                    conflict_answers.append(answer.model_copy(update={
+                        "receipt_id": identity.conflict_receipt_id(c.request_id, c.digest)}))
                     decisions.append("conflict")
             for c, status, code in fresh:
                 receipts.append(_receipt(
@@ -187,7 +190,7 @@ class Participant:
                     "owner_revision": [1 for _ in fresh],
                 })
             answers = await self._answers(tx, queries)
-            await self._emit(tx, receipts, answers)
+            await self._emit(tx, receipts, answers, unjournaled=conflict_answers)
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", conflicts)
             await tx.run_many("p_refused_insert", refused)
@@ -222,12 +225,15 @@ class Participant:
         return answers
 
     async def _emit(self, tx: db.Tx, receipts: Sequence[OperationReceipt],
-                    answers: Sequence[QueryAnswer] = ()) -> None:
+                    answers: Sequence[QueryAnswer] = (),
+                    unjournaled: Sequence[OperationReceipt] = ()) -> None:
+        """Journal our receipts (they answer later queries) and queue everything we say."""
         bodies = [(r, codec.encode(r)) for r in receipts]
         await tx.run_many("p_receipt_insert", [
             {"receipt_id": r.receipt_id, "request_id": r.request_id,
              "owner_revision": r.owner_revision, "body": b} for r, b in bodies])
         rows = [_outbox_row(r.receipt_id, b, r.operation_id) for r, b in bodies]
+        rows += [_outbox_row(r.receipt_id, codec.encode(r), r.operation_id) for r in unjournaled]
         rows += [_outbox_row(a.answer_id, codec.encode(a), a.operation_id) for a in answers]
         await tx.run_many("p_outbox_insert", rows)
 

@@ -1,0 +1,162 @@
+"""Real-service fixtures: a template database cloned per test, a vhost per test.
+
+When Postgres or RabbitMQ is missing the suite fails loudly and says how to start
+them (``bash scripts/ensure-services.sh``); it never skips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from workers import broker, cli, db
+from workers.config import ROOT, Settings
+from workers.demo import _with_vhost
+
+PG_ADMIN = os.environ.get("CUSTODY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+AMQP = os.environ.get("CUSTODY_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/%2F")
+MGMT = os.environ.get("CUSTODY_TEST_MGMT", "http://guest:guest@127.0.0.1:15672")
+DEV_PASSWORD = "custody-dev"
+RUN = uuid.uuid4().hex[:8]
+HOW = "start them with: bash scripts/ensure-services.sh"
+
+
+def _url(name: str) -> str:
+    return psycopg.conninfo.make_conninfo(PG_ADMIN, dbname=name)
+
+
+def _admin(statement: sql.Composable) -> None:
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+@pytest.fixture(scope="session")
+def services() -> None:
+    try:
+        psycopg.connect(PG_ADMIN, connect_timeout=3).close()
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is not reachable ({exc}); {HOW}", pytrace=False)
+    try:
+        asyncio.run(broker.management(MGMT, "GET", "/api/overview"))
+    except Exception as exc:
+        pytest.fail(f"RabbitMQ (with management) is not reachable ({exc}); {HOW}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def templates(services: None) -> Iterator[tuple[str, str]]:
+    """Template databases with schema.sql and the participants' schemas applied once."""
+    engine_tpl, part_tpl = f"custody_tpl_{RUN}", f"custody_ptpl_{RUN}"
+    for name in (engine_tpl, part_tpl):
+        _admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    settings = replace(Settings(), database_url=_url(engine_tpl),
+                       participant_database_url=_url(part_tpl))
+    asyncio.run(cli.cmd_migrate(settings, _Args(participants=True)))
+    yield engine_tpl, part_tpl
+    for name in (engine_tpl, part_tpl):
+        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def broker_users(services: None) -> None:
+    """One broker user per participant principal (permissions are set per vhost)."""
+    for name in ("inventory", "payments", "shipping"):
+        asyncio.run(broker.management(MGMT, "PUT", f"/api/users/custody-{name}",
+                                      {"password": DEV_PASSWORD, "tags": ""}))
+
+
+class _Args:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+class Env:
+    """One test's world: its databases, its vhost, its settings."""
+
+    def __init__(self, settings: Settings, vhost: str, engine_db: str, part_db: str) -> None:
+        self.settings = settings
+        self.vhost = vhost
+        self.engine_db = engine_db
+        self.part_db = part_db
+
+    def participant_amqp(self, name: str) -> str:
+        return _with_vhost(AMQP, self.vhost, f"custody-{name}", DEV_PASSWORD)
+
+    def participant_settings(self, name: str) -> Settings:
+        return replace(self.settings, amqp_url=self.participant_amqp(name))
+
+    def fleet_env(self) -> dict[str, str]:
+        s = self.settings
+        return {
+            "CUSTODY_DATABASE_URL": s.database_url,
+            "CUSTODY_PARTICIPANT_DATABASE_URL": s.participant_database_url,
+            "CUSTODY_AMQP_URL": s.amqp_url,
+            "CUSTODY_AMQP_MANAGEMENT_URL": s.amqp_management_url,
+            "CUSTODY_ROUTES_FILE": s.routes_file,
+            "CUSTODY_PROCESSES_DIR": s.processes_dir,
+            "CUSTODY_POLL_INTERVAL_S": str(s.poll_interval_s),
+            "CUSTODY_LEASE_TTL_S": str(s.lease_ttl_s),
+            "CUSTODY_BATCH_SIZE": str(s.batch_size),
+            "CUSTODY_PREFETCH": str(s.prefetch),
+            "CUSTODY_LOG_FORMAT": "json",
+        }
+
+    async def sql(self, query: str, params: Any = None, *, participant: bool = False) -> list[tuple[Any, ...]]:
+        url = self.settings.participant_database_url if participant else self.settings.database_url
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute(query, params)  # type: ignore[arg-type]
+            return await cur.fetchall() if cur.description else []
+
+    async def scalar(self, query: str, params: Any = None, *, participant: bool = False) -> Any:
+        rows = await self.sql(query, params, participant=participant)
+        return rows[0][0]
+
+
+@pytest.fixture
+def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Iterator[Env]:
+    engine_tpl, part_tpl = templates
+    tag = uuid.uuid4().hex[:10]
+    engine_db, part_db, vhost = f"custody_t_{tag}", f"custody_p_{tag}", f"custody-test-{tag}"
+    _admin(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(engine_db), sql.Identifier(engine_tpl)))
+    _admin(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(part_db), sql.Identifier(part_tpl)))
+    asyncio.run(broker.ensure_vhost(MGMT, vhost, ["guest"]))
+    settings = Settings(
+        database_url=_url(engine_db),
+        participant_database_url=_url(part_db),
+        amqp_url=_with_vhost(AMQP, vhost),
+        amqp_management_url=MGMT,
+        routes_file=str(ROOT / "deploy" / "routes.toml"),
+        processes_dir=str(ROOT / "deploy" / "processes"),
+        poll_interval_s=0.2,
+        lease_ttl_s=5.0,
+        batch_size=50,
+        prefetch=100,
+        confirm_timeout_s=5.0,
+    )
+    asyncio.run(cli.cmd_topology(settings, _Args()))
+    asyncio.run(cli.cmd_dev_users(settings, _Args(password=DEV_PASSWORD)))
+    yield Env(settings, vhost, engine_db, part_db)
+    asyncio.run(broker.delete_vhost(MGMT, vhost))
+    for name in (engine_db, part_db):
+        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 30.0,
+                     interval: float = 0.1, what: str = "condition") -> None:
+    """Poll ``predicate`` until true, or fail after ``timeout`` seconds (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if await predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)

@@ -1,0 +1,129 @@
+"""In-process workers and clients for integration tests (real Postgres, real RabbitMQ)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts import codec
+from contracts.models import StartRequest
+from participants import samples
+from workers import broker, committer, participant, publisher, receipts, reconciler, runtime
+from workers.config import Settings
+
+ENGINE = ("committer", "publisher", "receipts", "reconciler")
+PARTICIPANTS = ("inventory", "payments", "shipping")
+_MAINS = {"committer": committer.main, "publisher": publisher.main,
+          "receipts": receipts.main, "reconciler": reconciler.main}
+
+
+def order(i: int = 0, **overrides: Any) -> dict[str, Any]:
+    base = {"order_id": f"order-{i:05d}", "sku": "sku-1", "quantity": 1,
+            "amount_cents": 1_000 + i, "address": f"{i} Test Road"}
+    return {**base, **overrides}
+
+
+@dataclass
+class Running:
+    name: str
+    stop: runtime.Stop
+    task: asyncio.Task[None]
+
+
+@dataclass
+class InProcessFleet:
+    """Each worker's real ``main`` as an asyncio task with its own stop event."""
+
+    env: Any  # tests.conftest.Env
+    running: list[Running] = field(default_factory=list)
+
+    def start(self, worker: str, settings: Settings | None = None) -> Running:
+        stop = runtime.Stop(grace_s=10)
+        health = runtime.Health()
+        if worker in PARTICIPANTS:
+            s = settings or self.env.participant_settings(worker)
+            me = participant.Identity(owner=worker, principal=f"custody-{worker}",
+                                      bindings=frozenset({f"{worker}.v1"}))
+            coro = participant.serve(me, samples.HANDLERS[worker], s, stop, health,
+                                     schema=f"participant_{worker}")
+        else:
+            coro = _MAINS[worker](settings or self.env.settings, stop, health)
+        run = Running(worker, stop, asyncio.create_task(coro, name=worker))
+        self.running.append(run)
+        return run
+
+    def start_all(self, engine: Sequence[str] = ENGINE,
+                  participants: Sequence[str] = PARTICIPANTS) -> None:
+        for w in (*engine, *participants):
+            self.start(w)
+
+    async def stop(self, run: Running) -> None:
+        run.stop.event.set()
+        try:
+            await asyncio.wait_for(run.task, 15)
+        finally:
+            self.running.remove(run)
+
+    async def stop_all(self) -> None:
+        for run in list(self.running):
+            await self.stop(run)
+
+    def check_alive(self) -> None:
+        for run in self.running:
+            if run.task.done():
+                exc = run.task.exception() if not run.task.cancelled() else None
+                raise AssertionError(f"worker {run.name} stopped: {exc!r}")
+
+
+@contextlib.asynccontextmanager
+async def client(settings: Settings, name: str = "test-client") -> Any:
+    amqp = broker.Broker(settings.amqp_url, name)
+    await amqp.connect()
+    try:
+        yield amqp
+    finally:
+        await amqp.close()
+
+
+async def publish_starts(settings: Settings, orders: Sequence[Mapping[str, Any]],
+                         tenant: str = "acme", process: str = "order-fulfilment") -> list[str]:
+    """Publish start requests (broker-confirmed); returns their start request ids."""
+    ids, items = [], []
+    for o in orders:
+        req = StartRequest(tenant=tenant, start_request_id=str(uuid.uuid4()), process=process,
+                           input=dict(o), requested_by="test")
+        ids.append(req.start_request_id)
+        items.append(broker.Outgoing(req.start_request_id, broker.EXCHANGE_REQUESTS,
+                                     broker.START_KEY, codec.encode(req)))
+    async with client(settings) as amqp:
+        pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
+        outcomes = await pub.publish_many(items)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+    return ids
+
+
+async def publish_raw(settings: Settings, exchange: str, routing_key: str, bodies: Sequence[bytes],
+                      *, user_id: str | None = None, message_id: str | None = None) -> None:
+    async with client(settings) as amqp:
+        pub = await amqp.publisher(window=64, timeout_s=10, user_id=user_id)
+        outcomes = await pub.publish_many([
+            broker.Outgoing(message_id or str(uuid.uuid4()), exchange, routing_key, b)
+            for b in bodies])
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
+
+
+async def drain(settings: Settings, queue: str, *, timeout: float = 2.0) -> list[broker.Delivery]:
+    """Take every message currently in ``queue`` (acked), waiting ``timeout`` for quiet."""
+    out: list[broker.Delivery] = []
+    async with client(settings, "drain") as amqp, amqp.consume([queue], prefetch=500) as inbox:
+        while True:
+            try:
+                d = await asyncio.wait_for(inbox.get(), timeout)
+            except TimeoutError:
+                return out
+            out.append(d)
+            await d.ack()
