@@ -45,6 +45,10 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         raise DecodeError("malformed_json", str(exc)) from None
     if not isinstance(raw, dict):
         raise DecodeError("schema", "top level must be a JSON object")
+    if _has_nul(raw):
+        # Postgres text and jsonb cannot hold U+0000: refuse it here, with a reason,
+        # rather than let it fail a whole batch's transaction later.
+        raise DecodeError("non_canonical_value", "a string contains U+0000")
     try:
         return adapter.validate_json(body, strict=True)
     except ValidationError as exc:
@@ -55,6 +59,18 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         if "non_canonical_value" in kinds:
             raise DecodeError("non_canonical_value", _summary(errors)) from None
         raise DecodeError("schema", _summary(errors)) from None
+
+
+def _has_nul(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if depth > 64:
+        return False
+    if isinstance(value, dict):
+        return any("\x00" in k or _has_nul(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v, depth + 1) for v in value)
+    return False
 
 
 def _summary(errors: list[Any]) -> str:

@@ -38,7 +38,11 @@ def check_json_value(value: object, depth: int = 0) -> None:
     """Raise :class:`CanonicalFormError` unless ``value`` is in the digest domain."""
     if depth > MAX_DEPTH:
         raise CanonicalFormError(f"nested deeper than {MAX_DEPTH} levels")
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise CanonicalFormError("strings must not contain U+0000")
         return
     if isinstance(value, int):
         if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
@@ -54,6 +58,8 @@ def check_json_value(value: object, depth: int = 0) -> None:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CanonicalFormError("object keys must be strings")
+            if "\x00" in key:
+                raise CanonicalFormError("strings must not contain U+0000")
             check_json_value(item, depth + 1)
         return
     raise CanonicalFormError(f"{type(value).__name__} is not a JSON value")

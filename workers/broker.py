@@ -96,6 +96,12 @@ class Delivery:
             await self._message.nack(requeue=True)
 
 
+def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    """Headers as bounded strings without U+0000, fit for a quarantine row."""
+    return {str(k)[:100].replace("\x00", ""): str(v)[:500].replace("\x00", "")
+            for k, v in list(headers.items())[:32]}
+
+
 def _delivery(message: AbstractIncomingMessage) -> Delivery:
     return Delivery(
         body=message.body,

@@ -85,7 +85,8 @@ async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
     for route in table.by_name.values():
         await broker.ensure_user(
             settings.amqp_management_url, route.principal, args.password, vhost,
-            configure="^$", write=f"^{re.escape(broker.EXCHANGE_RECEIPTS)}$",
+            configure="^$",
+            write=f"^({re.escape(broker.EXCHANGE_RECEIPTS)}|{re.escape(broker.EXCHANGE_DEAD)})$",
             read=f"^{re.escape(broker.command_queue(route.binding))}$")
         print(f"broker user {route.principal}: read {broker.command_queue(route.binding)}, "
               f"write {broker.EXCHANGE_RECEIPTS}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from contracts import codec, identity
 from contracts.models import ExecutorRoute, Lineage, StartRequest, SubmitCommand, Target
-from workers import broker, db, engine, faults, metrics, process, routes, runtime, tracing
+from workers import broker, consumer, db, engine, faults, metrics, process, routes, runtime, tracing
 from workers.config import Settings
 
 ACTOR = "committer"
@@ -251,13 +251,9 @@ def _quarantine_row(d: broker.Delivery, reason: str, detail: str,
     return {
         "source": broker.QUEUE_REQUESTS, "reason": reason, "detail": detail[:2000],
         "message_id": d.message_id, "user_id": d.user_id, "tenant": tenant,
-        "operation_id": None, "body": d.body, "headers": db.jsonb(_safe_headers(d.headers)),
+        "operation_id": None, "body": d.body, "headers": db.jsonb(broker.safe_headers(d.headers)),
         "worker": ACTOR,
     }
-
-
-def _safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
-    return {str(k)[:100]: str(v)[:500] for k, v in list(headers.items())[:32]}
 
 
 async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
@@ -266,17 +262,9 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
         waker = runtime.Waker(settings.poll_interval_s)
 
         async def starts() -> None:
-            async with ctx.broker.consume([broker.QUEUE_REQUESTS], settings.prefetch) as inbox:
-                while not stop.requested:
-                    batch = await runtime.next_batch(
-                        inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
-                    if not batch:
-                        continue
-                    metrics.REDELIVERIES.labels(ACTOR).inc(sum(d.redelivered for d in batch))
-                    await runtime.redo(lambda b=batch: committer.commit_starts(b),
-                                       worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
-                    for d in batch:
-                        await d.ack()
+            await consumer.run(ctx.broker, [broker.QUEUE_REQUESTS], settings=settings, stop=stop,
+                               worker=ACTOR, handle=committer.commit_starts,
+                               on_fenced=ctx.reacquire)
 
         async def successors() -> None:
             while not stop.requested:

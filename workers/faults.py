@@ -34,3 +34,21 @@ def crash_point(name: str) -> None:
 
 def enabled(name: str) -> bool:
     return name in _enabled
+
+
+class InjectedPoison(RuntimeError):
+    """Raised for a delivery carrying the test's poison marker (tests only)."""
+
+
+_poison = os.environ.get("CUSTODY_FAULT_POISON_MARKER", "").encode()
+
+
+def set_poison_marker(marker: str) -> None:
+    """Tests: make any delivery whose body contains ``marker`` fail its unit of work."""
+    global _poison
+    _poison = marker.encode()
+
+
+def poison_check(worker: str, bodies: list[bytes]) -> None:
+    if _poison and any(_poison in b for b in bodies):
+        raise InjectedPoison(f"{worker}: injected poison message")

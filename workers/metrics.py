@@ -67,3 +67,8 @@ ROUTE_DRIFT: Final = Counter(
     "Successor activations whose pinned route differs from the current routes file",
     ["route"],
 )
+DEAD_LETTERED: Final = Counter(
+    "custody_dead_lettered_total",
+    "Poison deliveries sent to the dead-letter exchange after isolating them",
+    ["worker"],
+)

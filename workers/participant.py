@@ -33,7 +33,7 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import broker, db, faults, metrics, publisher, runtime
+from workers import broker, consumer, db, faults, metrics, publisher, runtime
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
@@ -197,6 +197,8 @@ class Participant:
         faults.crash_point("after_commit_before_ack")
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
+        for row in refused:
+            metrics.quarantined(f"participant.{self.me.owner}", row["reason"])
         return decisions
 
     def _refusal(self, c: SubmitCommand | QueryCommand | CancelCommand) -> tuple[str, str] | None:
@@ -316,21 +318,14 @@ async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Setting
     async def nothing() -> None:
         return None
 
+    def kick() -> None:
+        exec_waker.kick()
+        pub_waker.kick()
+
     async def consume() -> None:
-        queues = [broker.command_queue(b) for b in sorted(me.bindings)]
-        async with amqp.consume(queues, settings.prefetch) as inbox:
-            while not stop.requested:
-                batch = await runtime.next_batch(
-                    inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
-                if not batch:
-                    continue
-                metrics.REDELIVERIES.labels(me.owner).inc(sum(d.redelivered for d in batch))
-                await runtime.redo(lambda b=batch: part.accept(b), worker=me.owner, stop=stop,
-                                   on_fenced=nothing)
-                for d in batch:
-                    await d.ack()
-                exec_waker.kick()
-                pub_waker.kick()
+        await consumer.run(amqp, [broker.command_queue(b) for b in sorted(me.bindings)],
+                           settings=settings, stop=stop, worker=me.owner, handle=part.accept,
+                           on_fenced=nothing, after_commit=kick)
 
     async def execute() -> None:
         while not stop.requested:

@@ -16,7 +16,7 @@ from typing import Any
 
 from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
-from workers import broker, db, engine, faults, lifecycle, metrics, process, runtime, validation
+from workers import broker, consumer, db, engine, faults, lifecycle, metrics, process, runtime, validation
 from workers.config import Settings
 
 ACTOR = "receipts"
@@ -217,27 +217,19 @@ def _quarantine(d: broker.Delivery, reason: str, detail: str,
         "tenant": message.tenant if message else None,
         "operation_id": message.operation_id if message else None,
         "body": d.body,
-        "headers": db.jsonb({str(k)[:100]: str(v)[:500] for k, v in list(d.headers.items())[:32]}),
+        "headers": db.jsonb(broker.safe_headers(d.headers)),
         "worker": ACTOR,
     }
 
 
 async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
     async with engine.context(settings, ACTOR, health) as ctx:
-        consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
+        receipt_consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
 
         async def consume() -> None:
-            async with ctx.broker.consume([broker.QUEUE_RECEIPTS], settings.prefetch) as inbox:
-                while not stop.requested:
-                    batch = await runtime.next_batch(
-                        inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
-                    if not batch:
-                        continue
-                    metrics.REDELIVERIES.labels(ACTOR).inc(sum(d.redelivered for d in batch))
-                    await runtime.redo(lambda b=batch: consumer.apply(b), worker=ACTOR,
-                                       stop=stop, on_fenced=ctx.reacquire)
-                    for d in batch:
-                        await d.ack()
+            await consumer.run(ctx.broker, [broker.QUEUE_RECEIPTS], settings=settings, stop=stop,
+                               worker=ACTOR, handle=receipt_consumer.apply,
+                               on_fenced=ctx.reacquire)
 
         await runtime.supervise(main=[consume()], side=[ctx.heartbeat()])
 

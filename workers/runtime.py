@@ -244,16 +244,20 @@ async def redo(
     worker: str,
     stop: Stop,
     on_fenced: Callable[[], Awaitable[Any]],
-    attempts: int = 8,
 ) -> Any:
-    """Run a unit of work, redoing it whole on retryable failures.
+    """Run a unit of work, redoing it whole on transient failures until it commits.
 
     Every unit is idempotent by identity (dedup keys, guarded UPDATEs), so a redo
-    after a commit in doubt re-reads what committed instead of doing it twice.
+    after a commit in doubt re-reads what committed instead of doing it twice. A
+    transient failure (database or broker down) is retried with capped backoff for
+    as long as it lasts — never turned into a crash loop that would spend the
+    deliveries' redelivery budget; only a stop request ends the wait. Anything not
+    transient is raised at once.
     """
     from workers import metrics
 
-    for attempt in range(attempts):
+    attempt = 0
+    while True:
         try:
             return await unit()
         except errors.Fenced as exc:
@@ -261,11 +265,11 @@ async def redo(
             event("lease.fenced", logging.WARNING, worker=worker, error=str(exc))
             await on_fenced()
         except (errors.DatabaseError, errors.BrokerError) as exc:
-            if exc.kind is errors.Retry.FATAL or attempt == attempts - 1:
+            if exc.kind is errors.Retry.FATAL:
                 raise
             metrics.UNIT_FAILURES.labels(worker, exc.kind.value).inc()
             event("unit.retry", logging.WARNING, worker=worker, kind=exc.kind.value,
                   attempt=attempt + 1, error=str(exc)[:300])
             if await stop.sleep(errors.backoff_seconds(attempt)):
                 raise
-    raise errors.CustodyError(f"{worker}: unit failed {attempts} times")
+        attempt += 1
