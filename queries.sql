@@ -284,3 +284,8 @@ SELECT DISTINCT ON (request_id) request_id::text, body FROM receipts
 INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
 VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
 ON CONFLICT (id) DO NOTHING;
+
+-- name: p_refused_list
+SELECT id, reason, detail, message_id, received_at FROM refused
+ WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
+ ORDER BY id DESC LIMIT %(limit)s;

@@ -169,7 +169,18 @@ async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[
 
 
 async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
-    rows = await _query(settings, "quarantine_list", {"reason": args.reason, "limit": args.limit})
+    params = {"reason": args.reason, "limit": args.limit}
+    if args.participant:
+        database = db.Database(settings.participant_database_url,
+                               schema=participant_schema(args.participant), name="cli", max_size=1)
+        await database.open()
+        try:
+            async with database.transaction() as tx:
+                rows = await tx.rows("p_refused_list", params)
+        finally:
+            await database.close()
+    else:
+        rows = await _query(settings, "quarantine_list", params)
     _print(rows, args.json)
     return EXIT_OK
 
@@ -264,6 +275,7 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quarantine", help="quarantined messages").add_subparsers(dest="q", required=True)
     ql = q.add_parser("list", help="newest first, with their reasons")
     ql.add_argument("--reason")
+    ql.add_argument("--participant", help="a participant's refused commands instead of the engine's")
     ql.add_argument("--limit", type=int, default=50)
     ql.add_argument("--json", action="store_true")
     ql.set_defaults(fn=cmd_quarantine)
