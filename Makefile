@@ -29,6 +29,8 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/custody contracts schemas --check
+	bash scripts/install-lint-tools.sh
+	bash scripts/lint-deploy.sh
 
 bench: install services
 	$(BIN)/python -m bench.run

@@ -48,8 +48,8 @@ INSERT INTO attempts (request_id, operation_id, attempt, kind, digest)
 VALUES (%(request_id)s, %(operation_id)s, %(attempt)s, %(kind)s, %(digest)s);
 
 -- name: outbox_insert
-INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s);
+INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
+VALUES (%(id)s, %(kind)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s);
 
 -- name: history_insert
 INSERT INTO history (instance_id, operation_id, event, detail, actor)
@@ -84,6 +84,26 @@ UPDATE instances SET status = %(status)s, finished_at = now(), updated_at = now(
  WHERE id = %(id)s AND status = 'running';
 
 -- name: outbox_claim
+-- Effect dispatch (submits) waits while dispatch is paused, globally or for the
+-- instance; queries and cancels still flow (the restore runbook reconciles while paused).
+UPDATE outbox o
+   SET claimed_by = %(holder)s,
+       claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
+       publish_attempts = o.publish_attempts + 1
+ WHERE o.id IN (SELECT b.id FROM outbox b
+                 WHERE b.status = 'pending' AND b.next_attempt_at <= now()
+                   AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
+                   AND (b.kind <> 'submit' OR (
+                        NOT (SELECT dispatch_paused FROM control)
+                        AND NOT EXISTS (SELECT 1 FROM operations op
+                                          JOIN instances i ON i.id = op.instance_id
+                                         WHERE op.id = b.operation_id AND i.dispatch_paused)))
+                 ORDER BY b.next_attempt_at
+                 LIMIT %(limit)s
+                   FOR UPDATE OF b SKIP LOCKED)
+RETURNING o.id, o.exchange, o.routing_key, o.body, o.headers, o.operation_id, o.publish_attempts;
+
+-- name: p_outbox_claim
 UPDATE outbox o
    SET claimed_by = %(holder)s,
        claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
@@ -116,15 +136,17 @@ SELECT count(*) AS pending,
 
 -- name: operations_dispatched
 -- The confirm mark never moves an operation backward; the deadline clock starts here.
+-- Only a submit's confirm dispatches: a query's or a cancel's is not progress.
 UPDATE operations
    SET status = 'dispatched', updated_at = now(),
        deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
- WHERE id = ANY(%(ids)s) AND status = 'pending'
+ WHERE id IN (SELECT operation_id FROM outbox WHERE id = ANY(%(ids)s) AND kind = 'submit')
+   AND status = 'pending'
 RETURNING id, instance_id;
 
 -- name: operations_lock
-SELECT id, tenant, instance_id, node, owner, principal, attempt, status, effect,
-       owner_revision, receipt_hash, lineage, created_at
+SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
+       attempt, status, effect, owner_revision, receipt_hash, lineage, created_at
   FROM operations WHERE id = ANY(%(ids)s)
  ORDER BY id
    FOR UPDATE;
@@ -149,6 +171,7 @@ UPDATE operations
        receipt_hash = %(receipt_hash)s, result = coalesce(%(result)s, result),
        error = coalesce(%(error)s, error), updated_at = now(),
        deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds)),
+       retry_at = now() + make_interval(secs => %(retry_in)s),
        finished_at = CASE WHEN %(terminal)s THEN now() END
  WHERE id = %(id)s AND status = %(expected)s;
 
@@ -183,6 +206,14 @@ SELECT id, instance_id, status FROM operations
 -- name: operation_set_status
 UPDATE operations SET status = %(status)s, updated_at = now()
  WHERE id = %(id)s AND status = %(expected)s;
+
+-- name: instance_unsuspend
+-- Progress resumes once no operation of the instance is left without an outcome.
+UPDATE instances SET status = 'running', updated_at = now()
+ WHERE id = %(id)s AND status = 'suspended'
+   AND NOT EXISTS (SELECT 1 FROM operations
+                    WHERE instance_id = %(id)s
+                      AND status IN ('outcome_unknown', 'reconcile_pending'));
 
 -- name: instance_suspend
 UPDATE instances SET status = 'suspended', updated_at = now()
@@ -289,3 +320,89 @@ ON CONFLICT (id) DO NOTHING;
 SELECT id, reason, detail, message_id, received_at FROM refused
  WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
  ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: operation_for_update
+SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
+       lineage, attempt, digest, status::text, effect::text, deadline_seconds
+  FROM operations WHERE id = %(id)s
+   FOR UPDATE;
+
+-- name: queries_issued
+SELECT count(*) AS n FROM attempts
+ WHERE operation_id = %(id)s AND attempt = %(attempt)s AND kind = %(kind)s;
+
+-- name: operation_reconcile
+UPDATE operations
+   SET status = 'reconcile_pending', updated_at = now(),
+       deadline_at = now() + make_interval(secs => deadline_seconds)
+ WHERE id = %(id)s AND status = %(expected)s;
+
+-- name: operation_new_attempt
+-- The only way to a new attempt: same operation id and input, attempt n+1, a new
+-- command identity, and nothing known yet about it.
+UPDATE operations
+   SET attempt = %(attempt)s, digest = %(digest)s, status = 'pending', effect = 'unknown',
+       owner_revision = 0, receipt_hash = NULL, result = NULL, error = NULL,
+       deadline_at = NULL, retry_at = NULL, updated_at = now()
+ WHERE id = %(id)s AND status = 'retry_waiting' AND effect = 'none'
+   AND attempt = %(attempt)s - 1;
+
+-- name: retries_due
+SELECT id FROM operations
+ WHERE status = 'retry_waiting' AND retry_at <= now()
+ ORDER BY retry_at
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
+
+-- name: unknown_due
+-- Automatic reconcile policy: outcome_unknown for longer than a backoff that doubles
+-- with every query already issued for the attempt.
+SELECT o.id FROM operations o
+ WHERE o.status = 'outcome_unknown'
+   AND o.updated_at < now() - make_interval(secs => %(base)s * power(2, least(
+         (SELECT count(*) FROM attempts a
+           WHERE a.operation_id = o.id AND a.attempt = o.attempt AND a.kind = 'query'), 10)))
+ ORDER BY o.updated_at
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
+
+-- name: audit_insert
+INSERT INTO audit (actor, action, tenant, target, reason, inputs, outcome)
+VALUES (%(actor)s, %(action)s, %(tenant)s, %(target)s, %(reason)s, %(inputs)s, %(outcome)s);
+
+-- name: audit_list
+SELECT id, at, actor, action, tenant, target, reason, outcome FROM audit
+ ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: control_set_paused
+UPDATE control SET dispatch_paused = %(paused)s, updated_at = now();
+
+-- name: instance_get
+SELECT id::text, tenant, process, process_version, status::text, dispatch_paused, input,
+       created_at, finished_at
+  FROM instances WHERE id = %(id)s;
+
+-- name: instance_set_paused
+UPDATE instances SET dispatch_paused = %(paused)s, updated_at = now() WHERE id = %(id)s;
+
+-- name: instance_operations
+SELECT id, node, activation, operation, route, binding, attempt, status::text, effect::text,
+       owner_revision, result, error, deadline_at, retry_at
+  FROM operations WHERE instance_id = %(id)s ORDER BY created_at;
+
+-- name: operation_get
+SELECT id, tenant, instance_id, node, activation, operation, route, owner, principal, binding,
+       input, attempt, digest, status::text, effect::text, owner_revision, result, error,
+       deadline_at, retry_at, created_at, finished_at
+  FROM operations WHERE id = %(id)s;
+
+-- name: operation_attempts
+SELECT request_id, attempt, kind, digest, created_at FROM attempts
+ WHERE operation_id = %(id)s ORDER BY created_at;
+
+-- name: operation_receipts
+SELECT receipt_id, attempt, owner_revision, status, decision, received_at FROM receipt_inbox
+ WHERE operation_id = %(id)s ORDER BY received_at;
+
+-- name: successor_intents_pending
+SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';

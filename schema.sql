@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS custody.instances (
   requested_by     text NOT NULL,
   traceparent      text,
   routes           jsonb NOT NULL,
+  dispatch_paused  boolean NOT NULL DEFAULT false,
   created_at       timestamptz NOT NULL DEFAULT now(),
   updated_at       timestamptz NOT NULL DEFAULT now(),
   finished_at      timestamptz,
@@ -107,6 +108,7 @@ CREATE TABLE IF NOT EXISTS custody.operations (
   error           jsonb,
   deadline_seconds integer NOT NULL,
   deadline_at     timestamptz,
+  retry_at        timestamptz,
   created_at      timestamptz NOT NULL DEFAULT now(),
   updated_at      timestamptz NOT NULL DEFAULT now(),
   finished_at     timestamptz,
@@ -114,6 +116,7 @@ CREATE TABLE IF NOT EXISTS custody.operations (
 );
 CREATE INDEX IF NOT EXISTS operations_open ON custody.operations (status, deadline_at)
   WHERE status NOT IN ('succeeded', 'failed', 'cancelled');
+CREATE INDEX IF NOT EXISTS operations_instance ON custody.operations (instance_id);
 
 -- Every command identity the engine issued: attempt, kind and the digest it binds.
 CREATE TABLE IF NOT EXISTS custody.attempts (
@@ -130,6 +133,7 @@ CREATE INDEX IF NOT EXISTS attempts_operation ON custody.attempts (operation_id,
 -- re-created transition yields the same message, which the participant deduplicates.
 CREATE TABLE IF NOT EXISTS custody.outbox (
   id               uuid PRIMARY KEY,
+  kind             text NOT NULL CHECK (kind IN ('submit', 'query', 'cancel')),
   exchange         text NOT NULL,
   routing_key      text NOT NULL,
   body             bytea NOT NULL,

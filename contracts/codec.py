@@ -11,6 +11,7 @@ from typing import Any, Final
 import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from contracts.digest import MAX_DEPTH
 from contracts.models import ReceiptMessage, ServiceCommand, StartRequest
 
 DEFAULT_MAX_BYTES: Final = 256 * 1024
@@ -42,9 +43,18 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise DecodeError("malformed_json", str(exc)) from None
+        text = str(exc)
+        if text.startswith(("depth limit exceeded", "number is infinity")):
+            raise DecodeError("non_canonical_value", text) from None
+        raise DecodeError("malformed_json", text) from None
     if not isinstance(raw, dict):
         raise DecodeError("schema", "top level must be a JSON object")
+    if "type" not in raw or (
+        isinstance(raw.get("receipt"), dict) and "type" not in raw["receipt"]
+    ):
+        raise DecodeError("unknown_type", "no type: the version is refused, not guessed")
+    if _depth(raw) > MAX_DEPTH + 4:
+        raise DecodeError("non_canonical_value", f"nested deeper than {MAX_DEPTH} levels")
     if _has_nul(raw):
         # Postgres text and jsonb cannot hold U+0000: refuse it here, with a reason,
         # rather than let it fail a whole batch's transaction later.
@@ -59,6 +69,21 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         if "non_canonical_value" in kinds:
             raise DecodeError("non_canonical_value", _summary(errors)) from None
         raise DecodeError("schema", _summary(errors)) from None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, iteratively (no recursion limit to hit on hostile input)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH + 4:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
 
 
 def _has_nul(value: Any, depth: int = 0) -> bool:

@@ -41,8 +41,7 @@ def check_json_value(value: object, depth: int = 0) -> None:
     if value is None or isinstance(value, bool):
         return
     if isinstance(value, str):
-        if "\x00" in value:
-            raise CanonicalFormError("strings must not contain U+0000")
+        _check_string(value)
         return
     if isinstance(value, int):
         if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
@@ -58,11 +57,19 @@ def check_json_value(value: object, depth: int = 0) -> None:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CanonicalFormError("object keys must be strings")
-            if "\x00" in key:
-                raise CanonicalFormError("strings must not contain U+0000")
+            _check_string(key)
             check_json_value(item, depth + 1)
         return
     raise CanonicalFormError(f"{type(value).__name__} is not a JSON value")
+
+
+def _check_string(value: str) -> None:
+    if "\x00" in value:
+        raise CanonicalFormError("strings must not contain U+0000")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CanonicalFormError("strings must be valid Unicode (no lone surrogates)") from None
 
 
 def canonical_bytes(value: Mapping[str, Any]) -> bytes:

@@ -25,7 +25,8 @@ Attempt = Annotated[int, Field(ge=1, le=10_000)]
 
 def _json_object(value: dict[str, Any]) -> dict[str, Any]:
     try:
-        digest.check_json_value(value)
+        # depth 1: inside a command the input sits one level below the digested object
+        digest.check_json_value(value, depth=1)
     except digest.CanonicalFormError as exc:
         raise PydanticCustomError("non_canonical_value", str(exc)) from None
     return value

@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from contracts import codec, identity
-from contracts.models import ExecutorRoute, Lineage, StartRequest, SubmitCommand, Target
-from workers import broker, consumer, db, engine, faults, metrics, process, routes, runtime, tracing
+from contracts import codec, digest, identity
+from contracts.models import ExecutorRoute, Lineage, StartRequest
+from workers import adapter, broker, consumer, db, engine, faults, metrics, process, routes, runtime, tracing
 from workers.config import Settings
 
 ACTOR = "committer"
@@ -51,8 +50,6 @@ def plan_activation(
     node = definition.node(node_name)
     route = pinned[node.route]
     op_id = identity.operation_id(tenant, instance_id, node_name, activation)
-    attempt = 1
-    request_id = identity.request_id(op_id, attempt, "submit")
     op_input = process.render_input(node.input, instance_input, results)
     lineage = Lineage(
         instance_id=instance_id,
@@ -60,22 +57,11 @@ def plan_activation(
         process_version=definition.version,
         node=node_name,
         activation=activation,
-    )
-    target = Target(route=route.name, owner=route.owner, binding=route.binding)
-    command = SubmitCommand(
-        request_id=request_id,
-        tenant=tenant,
-        operation_id=op_id,
-        attempt=attempt,
-        operation=node.operation,
-        target=target,
-        digest="0" * 64,
-        issued_at=datetime.now(UTC),
-        input=op_input,
-        lineage=lineage,
-    )
-    command = command.model_copy(update={"digest": command.semantic_digest()})
-    lineage_json = lineage.model_dump(mode="json")
+    ).model_dump(mode="json")
+    command = adapter.submit(adapter.Pinned(
+        operation_id=op_id, tenant=tenant, attempt=1, operation=node.operation,
+        route=route.name, owner=route.owner, binding=route.binding, input=op_input,
+        lineage=lineage), traceparent=traceparent)
     return Plan(
         node={"instance_id": instance_id, "node": node_name, "activation": activation,
               "operation_id": op_id},
@@ -83,17 +69,11 @@ def plan_activation(
             "id": op_id, "tenant": tenant, "instance_id": instance_id, "node": node_name,
             "activation": activation, "operation": node.operation, "route": route.name,
             "owner": route.owner, "principal": route.principal, "binding": route.binding,
-            "input": db.jsonb(op_input), "lineage": db.jsonb(lineage_json), "attempt": attempt,
+            "input": db.jsonb(op_input), "lineage": db.jsonb(lineage), "attempt": 1,
             "digest": command.digest, "deadline_seconds": node.deadline_seconds,
         },
-        attempt={"request_id": request_id, "operation_id": op_id, "attempt": attempt,
-                 "kind": "submit", "digest": command.digest},
-        outbox={
-            "id": request_id, "exchange": broker.EXCHANGE_COMMANDS,
-            "routing_key": route.binding, "body": codec.encode(command),
-            "headers": db.jsonb({"traceparent": tracing.child(traceparent)}),
-            "operation_id": op_id,
-        },
+        attempt=command.attempt_row,
+        outbox=command.outbox_row,
         history={"instance_id": instance_id, "operation_id": op_id, "event": "node.activated",
                  "detail": db.jsonb({"node": node_name, "activation": activation,
                                      "operation": node.operation, "route": route.name,
@@ -152,7 +132,7 @@ class Committer:
                         tenant=start.tenant, instance_id=iid, definition=definition,
                         node_name=definition.start, activation=1, instance_input=start.input,
                         results={}, pinned=pinned, traceparent=traceparent)
-                except process.InputError as exc:
+                except (process.InputError, digest.CanonicalFormError) as exc:
                     quarantine.append(_quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant))
                     continue
                 seen.add(iid)
@@ -214,7 +194,7 @@ class Committer:
                         node_name=nxt, activation=activation, instance_input=intent["input"],
                         results=results.get(iid, {}), pinned=pinned,
                         traceparent=intent["traceparent"]))
-                except (process.InputError, KeyError) as exc:
+                except (process.InputError, digest.CanonicalFormError, KeyError) as exc:
                     await tx.run("instance_finish", {"id": iid, "status": "failed"})
                     history.append(_history(iid, "instance.failed", {"error": str(exc)}))
             await _write_plans(tx, plans)

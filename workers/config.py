@@ -28,6 +28,8 @@ class Settings:
     amqp_management_url: str = "http://guest:guest@127.0.0.1:15672"
     routes_file: str = str(ROOT / "deploy" / "routes.toml")
     processes_dir: str = str(ROOT / "deploy" / "processes")
+    operators_file: str = str(ROOT / "deploy" / "operators.toml")
+    auto_reconcile_s: float = 0.0
     max_message_bytes: int = 256 * 1024
     batch_size: int = 200
     prefetch: int = 400
@@ -84,4 +86,5 @@ class Settings:
 
 
 def _redact(value: str) -> str:
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", value)
+    value = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", value)
+    return re.sub(r"(password=)[^&\s]*", r"\1***", value, flags=re.IGNORECASE)

@@ -58,6 +58,10 @@ def jsonb(value: Any) -> Jsonb:
 
 def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseError:
     sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate is None and not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        # a client-side error (a bad parameter, a programming error): not a lost
+        # connection, and redoing it would only fail again
+        return errors.DatabaseError(f"{type(exc).__name__}: {exc}", errors.Retry.FATAL)
     kind = errors.classify_sqlstate(sqlstate, during_commit=during_commit)
     cls = errors.Fenced if kind is errors.Retry.FENCED else errors.DatabaseError
     return cls(f"{type(exc).__name__}: {exc}".strip(), kind, sqlstate)

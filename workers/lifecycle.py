@@ -44,13 +44,15 @@ class Event(enum.StrEnum):
     ACCEPTED = "receipt.accepted"
     SUCCEEDED = "receipt.succeeded"
     FAILED = "receipt.failed"  # failed, effect none or applied: authoritative
+    FAILED_RETRYABLE = "receipt.failed.retryable"  # effect none, and the node may retry
     FAILED_UNKNOWN = "receipt.failed.effect_unknown"
     CANCELLED = "receipt.cancelled"
     REJECTED = "receipt.rejected"  # refused before any effect (effect none)
     CONFLICT = "receipt.conflict"  # the owner holds other work under this identity
     DEADLINE = "deadline"
     RECONCILE = "reconcile"
-    QUERY_NONE = "query.none"
+    QUERY_NONE = "query.none"  # a query found no (newer) receipt: proves nothing
+    QUERY_TIMEOUT = "query.timeout"  # no answer to the query within the deadline
     RETRY_SAFE = "retry_safe"
     CANCEL = "cancel"
 
@@ -85,6 +87,8 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     # Authoritative outcomes resolve every unresolved state, and win a cancel race.
     **{(s, E.SUCCEEDED): S.SUCCEEDED for s in (*_UNRESOLVED, S.CANCELLING)},
     **{(s, E.FAILED): S.FAILED for s in (*_UNRESOLVED, S.CANCELLING)},
+    **{(s, E.FAILED_RETRYABLE): S.RETRY_WAITING for s in _UNRESOLVED},
+    (S.CANCELLING, E.FAILED_RETRYABLE): S.CANCELLED,
     **{(s, E.FAILED_UNKNOWN): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
     (S.CANCELLING, E.FAILED_UNKNOWN): S.CANCELLING,
     (S.CANCELLING, E.CANCELLED): S.CANCELLED,
@@ -96,6 +100,7 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     **{(s, E.DEADLINE): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
     (S.OUTCOME_UNKNOWN, E.RECONCILE): S.RECONCILE_PENDING,
     (S.RECONCILE_PENDING, E.QUERY_NONE): S.OUTCOME_UNKNOWN,
+    (S.RECONCILE_PENDING, E.QUERY_TIMEOUT): S.OUTCOME_UNKNOWN,
     (S.RETRY_WAITING, E.RETRY_SAFE): S.PENDING,
     **{(s, E.CANCEL): S.CANCELLING for s in _UNRESOLVED},
     (S.RETRY_WAITING, E.CANCEL): S.CANCELLED,
@@ -119,14 +124,24 @@ def next_status(status: Status, event: Event) -> Status | Ignore:
         raise IllegalTransition(status, event) from None
 
 
-def receipt_event(status: str, effect: str, error_code: str | None) -> Event:
-    """Map a validated receipt's (status, effect) to the lifecycle event it is."""
+def receipt_event(
+    status: str, effect: str, error_code: str | None, *, retryable: bool = False
+) -> Event:
+    """Map a validated receipt's (status, effect) to the lifecycle event it is.
+
+    ``retryable``: the node's retry policy allows another attempt for this error. A
+    retry is only ever planned on an authoritative effect ``none``.
+    """
     if status == "accepted":
         return Event.ACCEPTED
     if status == "succeeded":
         return Event.SUCCEEDED
     if status == "failed":
-        return Event.FAILED_UNKNOWN if effect == "unknown" else Event.FAILED
+        if effect == "unknown":
+            return Event.FAILED_UNKNOWN
+        if effect == "none" and retryable:
+            return Event.FAILED_RETRYABLE
+        return Event.FAILED
     if status == "cancelled":
         return Event.CANCELLED
     if error_code == "digest_conflict":

@@ -72,3 +72,6 @@ DEAD_LETTERED: Final = Counter(
     "Poison deliveries sent to the dead-letter exchange after isolating them",
     ["worker"],
 )
+SUCCESSOR_PENDING: Final = Gauge(
+    "custody_successor_intents_pending", "Successor intents not yet committed by a committer"
+)

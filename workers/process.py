@@ -34,6 +34,22 @@ class InputError(ValueError):
 
 
 @dataclass(frozen=True)
+class RetryPolicy:
+    """Another attempt is allowed only after an authoritative failure with effect
+    ``none`` whose error code is listed, up to ``max_attempts`` attempts in all."""
+
+    max_attempts: int
+    backoff_seconds: float
+    on: frozenset[str]
+
+    def allows(self, attempt: int, error_code: str | None) -> bool:
+        return attempt < self.max_attempts and error_code in self.on
+
+    def delay(self, attempt: int) -> float:
+        return float(self.backoff_seconds * 2 ** (attempt - 1))
+
+
+@dataclass(frozen=True)
 class Node:
     name: str
     route: str
@@ -42,6 +58,7 @@ class Node:
     on_succeeded: str
     on_failed: str
     deadline_seconds: int
+    retry: RetryPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +109,8 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
     nodes: dict[str, Node] = {}
     for node_name, body in raw_nodes.items():
         unknown = set(body) - {
-            "route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds"
+            "route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds",
+            "retry",
         }
         if unknown:
             raise DefinitionError(f"node {node_name!r}: unknown keys {sorted(unknown)}")
@@ -104,7 +122,9 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
                 input=body.get("input", {}),
                 on_succeeded=body.get("on_succeeded", END_COMPLETED),
                 on_failed=body.get("on_failed", END_FAILED),
-                deadline_seconds=int(body.get("deadline_seconds", 60)),
+                deadline_seconds=_positive_int(node_name, "deadline_seconds",
+                                               body.get("deadline_seconds", 60)),
+                retry=_retry(node_name, body.get("retry")),
             )
         except KeyError as exc:
             raise DefinitionError(f"node {node_name!r}: missing {exc}") from None
@@ -123,6 +143,31 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
         if target not in nodes and target not in (END_COMPLETED, END_FAILED):
             raise DefinitionError(f"{name} v{version}: unknown node {target!r}")
     return Definition(name=name, version=int(version), start=start, nodes=nodes)
+
+
+def _positive_int(node: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DefinitionError(f"node {node!r}: {key} must be a positive integer, not {value!r}")
+    return value
+
+
+def _retry(node: str, raw: Any) -> RetryPolicy | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"max_attempts", "backoff_seconds", "on"}:
+        raise DefinitionError(f"node {node!r}: retry takes max_attempts, backoff_seconds, on")
+    backoff = raw.get("backoff_seconds", 1.0)
+    codes = raw.get("on", ())
+    if (isinstance(backoff, bool) or not isinstance(backoff, (int, float))
+            or not isinstance(codes, list) or not all(isinstance(c, str) for c in codes)):
+        raise DefinitionError(f"node {node!r}: retry.backoff_seconds is a number, retry.on a "
+                              "list of error codes")
+    policy = RetryPolicy(max_attempts=_positive_int(node, "retry.max_attempts",
+                                                    raw.get("max_attempts", 1)),
+                         backoff_seconds=float(backoff), on=frozenset(codes))
+    if policy.backoff_seconds < 0 or not policy.on:
+        raise DefinitionError(f"node {node!r}: retry needs max_attempts >= 1 and error codes")
+    return policy
 
 
 def load_dir(path: Path, routes: Routes) -> Catalog:

@@ -44,24 +44,15 @@ class OutboxPublisher:
         self.engine = engine
         self.holder = lease.holder if lease else f"{owner}-{id(self):x}"
 
-    async def paused(self) -> bool:
-        if not self.engine:
-            return False
-        async with self.db.transaction() as tx:
-            row = await tx.one("control_get")
-        return bool(row and row["dispatch_paused"])
-
     async def claim(self) -> list[dict[str, Any]]:
         async with self.db.transaction(self.lease) as tx:
             return await tx.rows(
-                "outbox_claim",
+                "outbox_claim" if self.engine else "p_outbox_claim",
                 {"holder": self.holder, "ttl": self.claim_ttl_s, "limit": self.batch_size},
             )
 
     async def run_once(self) -> int:
         """One claim → publish → mark cycle; returns how many rows it claimed."""
-        if await self.paused():
-            return 0
         rows = await self.claim()
         if not rows:
             return 0
@@ -88,8 +79,7 @@ class OutboxPublisher:
         async with self.db.transaction(self.lease) as tx:
             marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
-                op_ids = [r["operation_id"] for r in marked if r["operation_id"] is not None]
-                moved = await tx.rows("operations_dispatched", {"ids": op_ids})
+                moved = await tx.rows("operations_dispatched", {"ids": [r["id"] for r in marked]})
                 await tx.run_many("history_insert", [
                     {"instance_id": m["instance_id"], "operation_id": m["id"],
                      "event": "operation.dispatched", "detail": db.jsonb({}), "actor": ACTOR}

@@ -32,6 +32,7 @@ class _Writes:
     nodes: list[dict[str, Any]]
     successors: list[dict[str, Any]]
     suspend: list[dict[str, Any]]
+    unsuspend: list[dict[str, Any]]
     latencies: list[float]
     verdicts: list[str]
 
@@ -55,7 +56,7 @@ class ReceiptConsumer:
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Validate and apply a batch in one transaction; returns each delivery's verdict."""
-        w = _Writes([], [], [], [], [], [], [], [], [])
+        w = _Writes([], [], [], [], [], [], [], [], [], [])
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
@@ -84,6 +85,7 @@ class ReceiptConsumer:
             await tx.run_many("node_finish", w.nodes)
             await tx.run_many("successor_insert", w.successors)
             await tx.run_many("instance_suspend", w.suspend)
+            await tx.run_many("instance_unsuspend", w.unsuspend)
             await tx.run_many("history_insert", w.history)
         faults.crash_point("receipts_after_commit_before_ack")
         for row in w.quarantine:
@@ -99,26 +101,33 @@ class ReceiptConsumer:
              issued: dict[str, validation.IssuedRequest], seen: dict[str, str],
              w: _Writes) -> str:
         op = views.get(message.operation_id)
+        answer: QueryAnswer | None = None
         if isinstance(message, QueryAnswer):
             refusal = _answer_refusal(message, d.user_id, op, issued)
             if refusal:
                 w.quarantine.append(_quarantine(d, refusal[0], refusal[1], message))
                 w.verdicts.append("quarantine")
                 return "quarantine"
+            assert op is not None
+            answer = message
             if message.receipt is None:
-                return self._no_receipt(message, op, w)
+                return self._no_news(op, rows[op.id], w, "query answered: no receipt")
             receipt = message.receipt
         else:
             receipt = message
-        decision = validation.decide(receipt, user_id=d.user_id, op=op, issued=issued,
-                                     seen_hash=seen.get(receipt.receipt_id))
+        decision = validation.decide(
+            receipt, user_id=d.user_id, op=op, issued=issued,
+            seen_hash=seen.get(receipt.receipt_id),
+            retryable=self._retryable(rows.get(receipt.operation_id), receipt))
         w.verdicts.append(decision.verdict.value)
         if decision.verdict is validation.Verdict.QUARANTINE:
             w.quarantine.append(_quarantine(d, decision.reason, decision.detail, receipt))
             return "quarantine"
-        if decision.verdict is validation.Verdict.DUPLICATE:
-            return "duplicate"
         assert op is not None
+        if decision.verdict is validation.Verdict.DUPLICATE:
+            if answer is not None:
+                return self._no_news(op, rows[op.id], w, "query answered: nothing newer")
+            return "duplicate"
         seen[receipt.receipt_id] = decision.content_hash
         w.records.append({
             "receipt_id": receipt.receipt_id, "operation_id": receipt.operation_id,
@@ -127,17 +136,35 @@ class ReceiptConsumer:
             "decision": decision.verdict.value,
         })
         if decision.verdict is not validation.Verdict.APPLY:
+            if answer is not None:
+                return self._no_news(op, rows[op.id], w, f"query answered: {decision.verdict}")
             return decision.verdict.value
         assert decision.status is not None and decision.effect is not None
-        row = rows[op.id]
+        if answer is not None and decision.status not in lifecycle.TERMINAL | {
+            lifecycle.Status.RETRY_WAITING, lifecycle.Status.OUTCOME_UNKNOWN
+        }:
+            # the owner holds it but has not settled it: still no authoritative outcome
+            return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
+        self._apply(op, rows[op.id], receipt, decision, views, w)
+        return "apply"
+
+    def _apply(self, op: validation.OperationView, row: dict[str, Any],
+               receipt: OperationReceipt, decision: validation.Decision,
+               views: dict[str, validation.OperationView], w: _Writes) -> None:
+        assert decision.status is not None and decision.effect is not None
         terminal = decision.status in lifecycle.TERMINAL
+        retry_at = None
+        if decision.status is lifecycle.Status.RETRY_WAITING:
+            node = self._node(row)
+            assert node.retry is not None
+            retry_at = node.retry.delay(op.attempt)
         w.updates.append({
             "id": op.id, "expected": op.status.value, "status": decision.status.value,
             "effect": decision.effect.value, "owner_revision": receipt.owner_revision,
             "receipt_hash": decision.content_hash,
             "result": db.jsonb(receipt.result) if receipt.result is not None else None,
             "error": db.jsonb(receipt.error.model_dump()) if receipt.error else None,
-            "terminal": terminal,
+            "terminal": terminal, "retry_in": retry_at,
         })
         views[op.id] = replace(op, status=decision.status, effect=decision.effect,
                                owner_revision=receipt.owner_revision,
@@ -146,11 +173,14 @@ class ReceiptConsumer:
             "instance_id": row["instance_id"], "operation_id": op.id,
             "event": f"operation.{decision.status.value}",
             "detail": db.jsonb({"from": op.status.value, "owner_revision": receipt.owner_revision,
-                                "effect": decision.effect.value, "receipt_id": receipt.receipt_id}),
+                                "effect": decision.effect.value, "receipt_id": receipt.receipt_id,
+                                "attempt": receipt.attempt}),
             "actor": ACTOR,
         })
         if decision.status is lifecycle.Status.OUTCOME_UNKNOWN:
             w.suspend.append({"id": row["instance_id"]})
+        elif op.status in _UNKNOWN:
+            w.unsuspend.append({"id": row["instance_id"]})
         if terminal:
             w.latencies.append((datetime.now(UTC) - row["created_at"]).total_seconds())
             w.nodes.append({"operation_id": op.id, "status": decision.status.value})
@@ -158,7 +188,18 @@ class ReceiptConsumer:
             if nxt is not None:
                 w.successors.append({"instance_id": row["instance_id"], "from_operation_id": op.id,
                                      "outcome": decision.status.value, "next_node": nxt})
-        return "apply"
+
+    def _node(self, row: dict[str, Any]) -> process.Node:
+        lineage = row["lineage"]
+        definition = self.catalog.get(lineage["process"], lineage["process_version"])
+        return definition.node(row["node"])
+
+    def _retryable(self, row: dict[str, Any] | None, receipt: OperationReceipt) -> bool:
+        if row is None or receipt.status != "failed" or receipt.effect != "none":
+            return False
+        policy = self._node(row).retry
+        code = receipt.error.code if receipt.error else None
+        return policy is not None and policy.allows(receipt.attempt, code)
 
     def _successor(self, row: dict[str, Any], status: lifecycle.Status) -> str | None:
         if status is lifecycle.Status.CANCELLED:
@@ -167,11 +208,11 @@ class ReceiptConsumer:
         definition = self.catalog.get(lineage["process"], lineage["process_version"])
         return definition.successor(row["node"], status.value)
 
-    def _no_receipt(self, answer: QueryAnswer, op: validation.OperationView | None,
-                    w: _Writes) -> str:
-        """A null query result: no receipt was returned, which proves nothing."""
-        assert op is not None
-        w.verdicts.append("no_receipt")
+    def _no_news(self, op: validation.OperationView, row: dict[str, Any], w: _Writes,
+                 fact: str) -> str:
+        """A query found no authoritative outcome. That proves nothing about the
+        effect: the operation goes back to outcome_unknown, and the fact is recorded."""
+        w.verdicts.append("no_news")
         try:
             target = lifecycle.next_status(op.status, lifecycle.Event.QUERY_NONE)
         except lifecycle.IllegalTransition:
@@ -182,8 +223,16 @@ class ReceiptConsumer:
             "id": op.id, "expected": op.status.value, "status": target.value,
             "effect": op.effect.value, "owner_revision": op.owner_revision,
             "receipt_hash": op.receipt_hash, "result": None, "error": None, "terminal": False,
+            "retry_in": None,
         })
+        w.history.append({"instance_id": row["instance_id"], "operation_id": op.id,
+                          "event": f"operation.{target.value}",
+                          "detail": db.jsonb({"from": op.status.value, "fact": fact}),
+                          "actor": ACTOR})
         return "apply"
+
+
+_UNKNOWN = frozenset({lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING})
 
 
 def _inner(message: OperationReceipt | QueryAnswer) -> OperationReceipt | None:

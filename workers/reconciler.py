@@ -49,6 +49,8 @@ class Reconciler:
     async def sample(self) -> None:
         async with self.db.transaction() as tx:
             rows = await tx.rows("operations_by_status")
+            backlog = await tx.one("successor_intents_pending")
+        metrics.SUCCESSOR_PENDING.set(backlog["n"] if backlog else 0)
         counts = {r["status"]: r["n"] for r in rows}
         for status in lifecycle.Status:
             metrics.OPERATIONS.labels(status.value).set(counts.get(status.value, 0))

@@ -89,8 +89,13 @@ def decide(
     op: OperationView | None,
     issued: Mapping[str, IssuedRequest],
     seen_hash: str | None,
+    retryable: bool = False,
 ) -> Decision:
-    """Decide what one schema-valid receipt does to the operation it names."""
+    """Decide what one schema-valid receipt does to the operation it names.
+
+    ``retryable``: the node's retry policy allows another attempt after this
+    receipt's error (only ever used for a failure with effect none).
+    """
     content_hash = digest.content_hash(receipt.content())
     if seen_hash is not None:
         if seen_hash == content_hash:
@@ -137,7 +142,8 @@ def decide(
             return Decision(Verdict.DUPLICATE, "duplicate_revision", content_hash=content_hash)
         return _quarantine("revision_conflict", "same owner revision with different content")
     error_code = receipt.error.code if receipt.error else None
-    event = lifecycle.receipt_event(receipt.status, receipt.effect, error_code)
+    event = lifecycle.receipt_event(receipt.status, receipt.effect, error_code,
+                                    retryable=retryable)
     try:
         target = lifecycle.next_status(op.status, event)
     except lifecycle.IllegalTransition as exc:
@@ -155,12 +161,12 @@ def decide(
 def _effect_after(
     event: lifecycle.Event, current: lifecycle.Effect, reported: str
 ) -> lifecycle.Effect:
-    E = lifecycle.Event
+    E = lifecycle.Event  # noqa: N806
     if event is E.SUCCEEDED:
         return lifecycle.Effect.APPLIED
     if event in (E.CANCELLED, E.REJECTED):
         return lifecycle.Effect.NONE
-    if event in (E.FAILED, E.FAILED_UNKNOWN):
+    if event in (E.FAILED, E.FAILED_UNKNOWN, E.FAILED_RETRYABLE):
         return lifecycle.Effect(reported)
     if event is E.CONFLICT:
         return lifecycle.Effect.UNKNOWN

