@@ -22,10 +22,19 @@ DELETE FROM custody.leases WHERE holder = %(holder)s AND epoch = %(epoch)s;
 SELECT dispatch_paused, restore_generation FROM custody.control;
 
 -- name: instance_insert
+-- One statement for the batch. A replica that raced us to the same start request
+-- wins quietly: its id is simply not returned, and we write nothing for it.
 INSERT INTO instances (id, tenant, start_request_id, process, process_version, input, status,
                        requested_by, traceparent, routes)
-VALUES (%(id)s, %(tenant)s, %(start_request_id)s, %(process)s, %(process_version)s, %(input)s,
-        'running', %(requested_by)s, %(traceparent)s, %(routes)s);
+SELECT id, tenant, start_request_id, process, process_version, input, 'running', requested_by,
+       traceparent, routes
+  FROM unnest(%(id)s::uuid[], %(tenant)s::text[], %(start_request_id)s::uuid[],
+              %(process)s::text[], %(process_version)s::int[], %(input)s::jsonb[],
+              %(requested_by)s::text[], %(traceparent)s::text[], %(routes)s::jsonb[])
+       AS t(id, tenant, start_request_id, process, process_version, input, requested_by,
+            traceparent, routes)
+ON CONFLICT DO NOTHING
+RETURNING id::text;
 
 -- name: instances_get
 SELECT id::text, tenant, start_request_id::text, process, input, status::text
@@ -406,3 +415,10 @@ SELECT receipt_id, attempt, owner_revision, status, decision, received_at FROM r
 
 -- name: successor_intents_pending
 SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';
+
+-- name: queries_overdue
+SELECT id, instance_id, status::text FROM operations
+ WHERE status = 'reconcile_pending' AND deadline_at < now()
+ ORDER BY deadline_at
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;

@@ -41,6 +41,9 @@ async def release(call: Call) -> Mapping[str, Any]:
 
 async def charge(call: Call) -> Mapping[str, Any]:
     amount = call.input["amount_cents"]
+    if call.input.get("flaky") and call.attempt == 1:
+        # a transient gateway failure, decided before any effect: effect none
+        raise BusinessFailure("gateway_unavailable", "the card gateway did not answer")
     if amount > CHARGE_LIMIT_CENTS:
         raise BusinessFailure("declined", f"{amount} cents is over the card limit")
     await call.tx.business(

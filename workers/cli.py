@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import uuid
@@ -227,6 +228,99 @@ async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _actor(args: argparse.Namespace) -> str:
+    actor = args.actor or os.environ.get("CUSTODY_OPERATOR", "")
+    if not actor:
+        raise errors.ConfigError("say who you are: --as NAME or CUSTODY_OPERATOR")
+    return str(actor)
+
+
+async def _operator_command(settings: Settings, args: argparse.Namespace, call: Any) -> int:
+    from workers import authz, operator
+
+    roles = authz.load(Path(settings.operators_file))
+    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
+    await database.open()
+    try:
+        outcome = await call(operator.Operator(database, roles))
+    finally:
+        await database.close()
+    codes = {operator.Result.DONE: EXIT_OK, operator.Result.REFUSED: EXIT_REFUSED,
+             operator.Result.NOT_FOUND: EXIT_NOT_FOUND}
+    if args.json:
+        _print({"result": outcome.result.value, "message": outcome.message, **outcome.data}, True)
+    else:
+        stream = sys.stdout if outcome.result is operator.Result.DONE else sys.stderr
+        print(f"{outcome.result.value}: {outcome.message}", file=stream)
+    return codes[outcome.result]
+
+
+async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    return await _operator_command(
+        settings, args, lambda op: op.reconcile(actor, args.operation_id, args.reason))
+
+
+async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    return await _operator_command(
+        settings, args, lambda op: op.retry_safe(actor, args.operation_id, args.reason))
+
+
+async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    paused = args.dispatch_command == "pause"
+    return await _operator_command(
+        settings, args, lambda op: op.set_paused(actor, paused, args.reason, args.instance))
+
+
+async def cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
+    _print(await _query(settings, "audit_list", {"limit": args.limit}), args.json)
+    return EXIT_OK
+
+
+async def cmd_instance_show(settings: Settings, args: argparse.Namespace) -> int:
+    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
+    await database.open()
+    try:
+        async with database.transaction() as tx:
+            inst = await tx.one("instance_get", {"id": args.id}) if _uuid(args.id) else None
+            if inst is None:
+                print(f"no instance {args.id}", file=sys.stderr)
+                return EXIT_NOT_FOUND
+            inst["operations"] = await tx.rows("instance_operations", {"id": args.id})
+            inst["history"] = await tx.rows("instance_history", {"id": args.id})
+    finally:
+        await database.close()
+    _print(inst, True)
+    return EXIT_OK
+
+
+async def cmd_operation_show(settings: Settings, args: argparse.Namespace) -> int:
+    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
+    await database.open()
+    try:
+        async with database.transaction() as tx:
+            op = await tx.one("operation_get", {"id": args.id}) if _uuid(args.id) else None
+            if op is None:
+                print(f"no operation {args.id}", file=sys.stderr)
+                return EXIT_NOT_FOUND
+            op["attempts"] = await tx.rows("operation_attempts", {"id": args.id})
+            op["receipts"] = await tx.rows("operation_receipts", {"id": args.id})
+    finally:
+        await database.close()
+    _print(op, True)
+    return EXIT_OK
+
+
+def _uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
 async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     _print(settings.redacted(), True)
     return EXIT_OK
@@ -280,8 +374,13 @@ def parser() -> argparse.ArgumentParser:
     ql.add_argument("--json", action="store_true")
     ql.set_defaults(fn=cmd_quarantine)
 
-    for noun, fn in (("instances", cmd_instances), ("operations", cmd_operations)):
-        lp = sub.add_parser(noun).add_subparsers(dest="x", required=True).add_parser("list")
+    for noun, fn, show in (("instances", cmd_instances, cmd_instance_show),
+                           ("operations", cmd_operations, cmd_operation_show)):
+        nouns = sub.add_parser(noun).add_subparsers(dest="x", required=True)
+        sp = nouns.add_parser("show", help=f"one of the {noun}, in full (JSON)")
+        sp.add_argument("id")
+        sp.set_defaults(fn=show)
+        lp = nouns.add_parser("list")
         lp.add_argument("--status")
         lp.add_argument("--tenant")
         if noun == "operations":
@@ -294,6 +393,39 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("instance_id")
     h.add_argument("--json", action="store_true")
     h.set_defaults(fn=cmd_history)
+
+    def operator_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--reason", required=True, help="why (audited)")
+        p.add_argument("--as", dest="actor",
+                       help="who you are, as in deploy/operators.toml (CUSTODY_OPERATOR)")
+        p.add_argument("--json", action="store_true")
+
+    rc = sub.add_parser("reconcile", help="query the pinned executor of an outcome_unknown "
+                        "operation (ReconcilePending); exit 0 done, 3 refused, 4 not found")
+    rc.add_argument("operation_id")
+    operator_args(rc)
+    rc.set_defaults(fn=cmd_reconcile)
+
+    rs = sub.add_parser("retry-safe", help="a new attempt, only from retry_waiting with "
+                        "effect none; exit 0 done, 3 refused, 4 not found")
+    rs.add_argument("operation_id")
+    operator_args(rs)
+    rs.set_defaults(fn=cmd_retry_safe)
+
+    dp = sub.add_parser("dispatch", help="pause or resume effect dispatch").add_subparsers(
+        dest="dispatch_command", required=True)
+    for verb in ("pause", "resume"):
+        v = dp.add_parser(verb, help=f"{verb} submits globally, or for one --instance "
+                          "(queries and cancels still flow)")
+        v.add_argument("--instance")
+        operator_args(v)
+        v.set_defaults(fn=cmd_dispatch)
+
+    au = sub.add_parser("audit").add_subparsers(dest="a", required=True).add_parser(
+        "list", help="operator commands and refusals, newest first")
+    au.add_argument("--limit", type=int, default=50)
+    au.add_argument("--json", action="store_true")
+    au.set_defaults(fn=cmd_audit)
 
     c = sub.add_parser("contracts").add_subparsers(dest="c", required=True)
     cs = c.add_parser("schemas", help="write (or --check) contracts/schemas/*.json")

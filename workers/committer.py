@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from contracts import codec, digest, identity
 from contracts.models import ExecutorRoute, Lineage, StartRequest
 from workers import adapter, broker, consumer, db, engine, faults, metrics, process, routes, runtime, tracing
@@ -139,12 +141,20 @@ class Committer:
                 instances.append({
                     "id": iid, "tenant": start.tenant, "start_request_id": start.start_request_id,
                     "process": definition.name, "process_version": definition.version,
-                    "input": db.jsonb(start.input), "requested_by": start.requested_by,
+                    "input": orjson.dumps(start.input).decode(), "requested_by": start.requested_by,
                     "traceparent": traceparent,
-                    "routes": db.jsonb({k: v.model_dump(mode="json") for k, v in pinned.items()}),
+                    "routes": orjson.dumps({k: v.model_dump(mode="json")
+                                            for k, v in pinned.items()}).decode(),
                 })
                 plans.append(plan)
-            await tx.run_many("instance_insert", instances)
+            inserted = set()
+            if instances:
+                columns = ("id", "tenant", "start_request_id", "process", "process_version",
+                           "input", "requested_by", "traceparent", "routes")
+                inserted = {r["id"] for r in await tx.rows("instance_insert", {
+                    c: [i[c] for i in instances] for c in columns})}
+            instances = [i for i in instances if i["id"] in inserted]
+            plans = [p for p in plans if p.node["instance_id"] in inserted]
             await tx.run_many("history_insert", [
                 {"instance_id": i["id"], "operation_id": None, "event": "instance.started",
                  "detail": db.jsonb({"process": i["process"], "version": i["process_version"]}),

@@ -15,6 +15,7 @@ established by a validated receipt.
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,14 +46,16 @@ class _Refused(Exception):
 
 
 class Operator:
-    def __init__(self, database: db.Database, roles: authz.Roles | None) -> None:
+    def __init__(self, database: db.Database, roles: authz.Roles | None,
+                 lease: db.Lease | None = None) -> None:
         self.db = database
         self.roles = roles
+        self.lease = lease
 
     async def _run(self, actor: str, action: str, target: str, reason: str,
                    inputs: dict[str, Any], body: Any) -> Outcome:
         try:
-            async with self.db.transaction() as tx:
+            async with self.db.transaction(self.lease) as tx:
                 message, tenant, data = await body(tx)
                 await _audit(tx, actor, action, tenant, target, reason, inputs, "done")
             return Outcome(Result.DONE, message, data)
@@ -76,7 +79,6 @@ class Operator:
                          reason: str) -> dict[str, Any]:
         row = await tx.one("operation_for_update", {"id": op_id}) if _is_uuid(op_id) else None
         if row is None:
-            self._authorize(actor, action, None, reason) if actor == POLICY else None
             raise _Refused(Result.NOT_FOUND, f"no operation {op_id}")
         self._authorize(actor, action, row["tenant"], reason)
         return row
@@ -190,8 +192,6 @@ async def _audit(tx: db.Tx, actor: str, action: str, tenant: str | None, target:
 
 
 def _is_uuid(value: str) -> bool:
-    import uuid
-
     try:
         uuid.UUID(value)
     except ValueError:

@@ -6,7 +6,8 @@ for each outcome. Instances pin the definition version they started with.
 
 Input templates are JSON objects whose string values may reference data:
 ``"$input.a.b"`` (the instance's input) or ``"$result.<node>.a"`` (the result of a
-node that succeeded earlier). Anything else is taken literally.
+node that succeeded earlier); a trailing ``?`` makes a missing path null instead of
+an error. Anything else is taken literally.
 """
 
 from __future__ import annotations
@@ -202,10 +203,13 @@ def render_input(
         if isinstance(value, list):
             return [resolve(v) for v in value]
         if isinstance(value, str) and value.startswith(("$input.", "$result.")):
-            head, *path = value[1:].split(".")
+            optional = value.endswith("?")
+            head, *path = value[1:].rstrip("?").split(".")
             current: Any = instance_input if head == "input" else results
             for key in path:
                 if not isinstance(current, dict) or key not in current:
+                    if optional:
+                        return None
                     raise InputError(f"{value}: {key!r} not found")
                 current = current[key]
             return current

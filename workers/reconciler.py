@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import db, engine, lifecycle, metrics, runtime
+from workers import db, engine, lifecycle, metrics, operator, runtime
 from workers.config import Settings
 
 ACTOR = "reconciler"
@@ -22,6 +22,49 @@ class Reconciler:
         self.settings = settings
         self.db = database
         self.lease = lease
+        self.policy = operator.Operator(database, None, lease)
+
+    async def sweep_queries(self) -> int:
+        """Reconcile queries left unanswered past the deadline go back to
+        outcome_unknown: silence is not an answer."""
+        async with self.db.transaction(self.lease) as tx:
+            rows = await tx.rows("queries_overdue", {"limit": self.settings.batch_size})
+            for row in rows:
+                target = lifecycle.next_status(lifecycle.Status.RECONCILE_PENDING,
+                                               lifecycle.Event.QUERY_TIMEOUT)
+                assert isinstance(target, lifecycle.Status)
+                if await tx.run("operation_set_status", {"id": row["id"], "expected": row["status"],
+                                                         "status": target.value}) != 1:
+                    raise RuntimeError("an overdue operation changed under its row lock")
+                await tx.run("history_insert", {
+                    "instance_id": row["instance_id"], "operation_id": row["id"],
+                    "event": f"operation.{target.value}",
+                    "detail": db.jsonb({"from": row["status"], "cause": "query unanswered"}),
+                    "actor": ACTOR})
+        return len(rows)
+
+    async def retry_due(self) -> int:
+        """Automatic retries from a node's retry policy: the same path as retry-safe."""
+        async with self.db.transaction(self.lease) as tx:
+            due = await tx.rows("retries_due", {"limit": self.settings.batch_size})
+        done = 0
+        for row in due:
+            outcome = await self.policy.retry_safe(operator.POLICY, str(row["id"]),
+                                                   "the node's retry policy")
+            done += outcome.result is operator.Result.DONE
+        return done
+
+    async def reconcile_due(self) -> int:
+        """Optional policy: reconcile outcome_unknown operations with a doubling backoff."""
+        if self.settings.auto_reconcile_s <= 0:
+            return 0
+        async with self.db.transaction(self.lease) as tx:
+            due = await tx.rows("unknown_due", {"base": self.settings.auto_reconcile_s,
+                                                "limit": self.settings.batch_size})
+        for row in due:
+            await self.policy.reconcile(operator.POLICY, str(row["id"]),
+                                        "automatic reconcile policy")
+        return len(due)
 
     async def sweep_deadlines(self) -> int:
         """One batch of overdue operations to ``outcome_unknown``, in one transaction."""
@@ -62,8 +105,11 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
 
         async def deadlines() -> None:
             while not stop.requested:
-                n = await runtime.redo(rec.sweep_deadlines, worker=ACTOR, stop=stop,
-                                       on_fenced=ctx.reacquire)
+                n = 0
+                for sweep in (rec.sweep_deadlines, rec.sweep_queries, rec.retry_due,
+                              rec.reconcile_due):
+                    n = max(n, await runtime.redo(sweep, worker=ACTOR, stop=stop,
+                                                  on_fenced=ctx.reacquire))
                 await runtime.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
                 if n < settings.batch_size:
                     await stop.sleep(settings.poll_interval_s)

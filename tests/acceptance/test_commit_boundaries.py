@@ -1,0 +1,235 @@
+"""The durable happy path, end to end, across all five commit boundaries: a real worker
+process is SIGKILLed at an exact crash point (``CUSTODY_CRASH_POINTS``, FAULTS.md rows
+1-5, 7 and 9), a clean one takes over, and every instance still completes with every
+effect exactly once, counted in the participants' own tables.
+
+The boundaries (seed, "Commit boundaries"):
+
+| Boundary | Durable fact |
+|---|---|
+| Workflow transition | Node state, history, operation/attempt and dispatch intent commit together |
+| Broker confirmation | The configured broker accepted the publication under its transport policy |
+| Participant acceptance | The executor retained a recoverable operation and its identity |
+| Participant completion | The business effect and terminal receipt are authoritative |
+| Workflow receipt application | A validated result and successor intent commit once |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.acceptance.support import (
+    STOCK,
+    Crew,
+    assert_clean,
+    assert_durable_happy_end,
+    count,
+    settled,
+    state,
+)
+from tests.conftest import Env
+from tests.harness import order, publish_starts
+
+pytestmark = pytest.mark.acceptance
+
+N = 30
+SETTLE_S = 60.0
+
+
+async def _start(env: Env, n: int = N) -> None:
+    await publish_starts(env.settings, [order(i) for i in range(n)])
+
+
+async def _settle(env: Env, crew: Crew, n: int = N) -> None:
+    try:
+        await crew.wait(settled(env, n), timeout=SETTLE_S, what=f"{n} instances settled")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; state: {await state(env)}") from None
+
+
+@pytest.mark.timeout(90)
+async def test_workflow_transition_killed_before_commit_commits_nothing(
+    env: Env, crew: Crew
+) -> None:
+    """Workflow transition: "Node state, history, operation/attempt and dispatch intent
+    commit together". A committer SIGKILLed after writing a batch of starts but before
+    COMMIT leaves none of those rows; the start requests it held go back to the queue,
+    and a clean committer commits them, once (FAULTS 1)."""
+    doomed = crew.start("committer", crash="before_commit")
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    for table in (
+        "instances",
+        "node_states",
+        "operations",
+        "attempts",
+        "outbox",
+        "history",
+        "successor_intents",
+        "quarantine",
+    ):
+        assert await count(env, f"SELECT count(*) FROM custody.{table}") == 0, (
+            f"custody.{table} has rows from a transaction that never committed"
+        )
+
+    for proc in crew.start_all():
+        assert_clean(proc)
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("point", ["after_publish_before_confirm", "after_confirm_before_mark"])
+async def test_broker_confirmation_publisher_killed_before_mark_republishes_same_message(
+    env: Env, crew: Crew, point: str
+) -> None:
+    """Broker confirmation: "The configured broker accepted the publication under its
+    transport policy" — and only the outbox mark, committed after that confirm, ends the
+    publisher's custody of a row. A publisher SIGKILLed after publishing but before the
+    confirm (FAULTS 2), or after the confirm but before the mark (FAULTS 3), leaves its
+    claimed rows pending; after the claim expires a clean publisher sends them again
+    under the same message id (the row id is the request id), and the participant's
+    inbox deduplicates: every effect once, one inbox row per request id, no conflict."""
+    doomed = crew.start("publisher", crash=point)
+    crew.start_all(skip=["publisher"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    held = await env.sql(
+        "SELECT id, status, publish_attempts FROM custody.outbox WHERE claimed_by IS NOT NULL"
+    )
+    assert held, "the killed publisher held no claimed outbox row"
+    assert {(s, a) for _, s, a in held} == {("pending", 1)}, held[:5]
+    assert await count(env, "SELECT count(*) FROM custody.outbox WHERE status <> 'pending'") == 0
+    held_ids = [r[0] for r in held]
+
+    assert_clean(crew.start("publisher"))
+    await _settle(env, crew)
+
+    again = await env.sql(
+        "SELECT id, status, publish_attempts FROM custody.outbox WHERE id = ANY(%s)", (held_ids,)
+    )
+    assert len(again) == len(held_ids)
+    not_resent = [r for r in again if r[1] != "published" or r[2] < 2]
+    assert not not_resent, f"rows the killed publisher held were not sent again: {not_resent[:5]}"
+    await assert_durable_happy_end(env, N)
+
+    if point == "after_confirm_before_mark":
+        # The first copies were confirmed, so the broker delivered every held command
+        # twice: the participant answered the second copy with its stored receipt (the
+        # same receipt id, sent again) instead of executing it.
+        reemitted = await count(
+            env,
+            "SELECT count(*) FROM participant_inventory.outbox WHERE publish_attempts >= 2",
+            participant=True,
+        )
+        assert reemitted >= 1, "no duplicate command was answered with its stored receipt"
+
+
+@pytest.mark.timeout(90)
+async def test_participant_acceptance_killed_before_ack_returns_stored_receipt(
+    env: Env, crew: Crew
+) -> None:
+    """Participant acceptance: "The executor retained a recoverable operation and its
+    identity". The inventory participant SIGKILLed after its acceptance COMMIT but before
+    the basic.ack: the broker redelivers the commands, the inbox recognises each identity
+    and digest and returns the stored receipt, and nothing executes twice (FAULTS 4)."""
+    doomed = crew.start("inventory", crash="after_commit_before_ack")
+    crew.start_all(skip=["inventory"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    retained = await env.sql(
+        "SELECT request_id, status FROM participant_inventory.inbox", participant=True
+    )
+    assert retained, "the acceptance of the killed participant did not commit"
+    receipts = await count(
+        env,
+        "SELECT count(*) FROM participant_inventory.receipts WHERE owner_revision = 1",
+        participant=True,
+    )
+    assert receipts == len(retained), "each retained command has its accepted receipt"
+
+    assert_clean(crew.start("inventory"))
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+
+
+@pytest.mark.timeout(90)
+async def test_participant_completion_killed_mid_effect_rolls_back_and_executes_once(
+    env: Env, crew: Crew
+) -> None:
+    """Participant completion: "The business effect and terminal receipt are
+    authoritative" — they commit together or not at all. The inventory participant
+    SIGKILLed inside a handler, before COMMIT: the effect rolls back with the receipt,
+    and the restarted participant executes each command once (FAULTS 5)."""
+    doomed = crew.start("inventory", crash="mid_effect")
+    crew.start_all(skip=["inventory"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    inbox = await env.sql(
+        "SELECT status, count(*) FROM participant_inventory.inbox GROUP BY 1", participant=True
+    )
+    assert inbox, "the acceptance of the killed participant did not commit"
+    assert dict(inbox).keys() == {"accepted"}, f"inventory inbox: {inbox}"
+    assert (
+        await count(
+            env, "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        == 0
+    ), "a reservation survived its rolled-back transaction"
+    assert (
+        await count(
+            env,
+            "SELECT available FROM participant_inventory.stock WHERE sku = 'sku-1'",
+            participant=True,
+        )
+        == STOCK
+    )
+    assert (
+        await count(
+            env,
+            "SELECT count(*) FROM participant_inventory.receipts WHERE owner_revision > 1",
+            participant=True,
+        )
+        == 0
+    )
+
+    assert_clean(crew.start("inventory"))
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+
+
+@pytest.mark.timeout(90)
+async def test_workflow_receipt_application_killed_before_ack_applies_once(
+    env: Env, crew: Crew
+) -> None:
+    """Workflow receipt application: "A validated result and successor intent commit
+    once". The receipt consumer SIGKILLed after committing a batch but before acking it:
+    the redelivered receipts are no-ops, so every operation applied each owner revision
+    once and has exactly one operation.succeeded event (FAULTS 7)."""
+    doomed = crew.start("receipts", crash="receipts_after_commit_before_ack")
+    crew.start_all(skip=["receipts"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    applied = await env.sql(
+        "SELECT receipt_id, operation_id, owner_revision FROM custody.receipt_inbox"
+        " WHERE decision = 'apply'"
+    )
+    assert applied, "the killed receipt consumer committed nothing"
+    events = await count(env, "SELECT count(*) FROM custody.history WHERE actor = 'receipts'")
+    assert events == len(applied)
+
+    assert_clean(crew.start("receipts"))
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+    still = await count(
+        env,
+        "SELECT count(*) FROM custody.receipt_inbox WHERE receipt_id = ANY(%s)"
+        " AND decision = 'apply'",
+        ([r[0] for r in applied],),
+    )
+    assert still == len(applied)
