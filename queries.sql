@@ -58,7 +58,8 @@ VALUES (%(request_id)s, %(operation_id)s, %(attempt)s, %(kind)s, %(digest)s);
 
 -- name: outbox_insert
 INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(kind)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s);
+VALUES (%(id)s, %(kind)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s::jsonb,
+        %(operation_id)s);
 
 -- name: history_insert
 INSERT INTO history (instance_id, operation_id, event, detail, actor)

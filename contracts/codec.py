@@ -49,9 +49,7 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         raise DecodeError("malformed_json", text) from None
     if not isinstance(raw, dict):
         raise DecodeError("schema", "top level must be a JSON object")
-    if "type" not in raw or (
-        isinstance(raw.get("receipt"), dict) and "type" not in raw["receipt"]
-    ):
+    if "type" not in raw or (isinstance(raw.get("receipt"), dict) and "type" not in raw["receipt"]):
         raise DecodeError("unknown_type", "no type: the version is refused, not guessed")
     if _depth(raw) > MAX_DEPTH + 4:
         raise DecodeError("non_canonical_value", f"nested deeper than {MAX_DEPTH} levels")

@@ -145,9 +145,7 @@ class OperationReceipt(Contract):
 
     def content(self) -> dict[str, Any]:
         """The statement without transport facts: equal revisions must agree on it."""
-        return self.model_dump(
-            mode="json", exclude={"receipt_id", "in_reply_to", "emitted_at"}
-        )
+        return self.model_dump(mode="json", exclude={"receipt_id", "in_reply_to", "emitted_at"})
 
 
 class QueryAnswer(Contract):

@@ -10,7 +10,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from workers import broker, cli, db
+from workers import broker, cli
 from workers.config import ROOT, Settings
 from workers.demo import _with_vhost
 
@@ -58,8 +58,9 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
     engine_tpl, part_tpl = f"custody_tpl_{RUN}", f"custody_ptpl_{RUN}"
     for name in (engine_tpl, part_tpl):
         _admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    settings = replace(Settings(), database_url=_url(engine_tpl),
-                       participant_database_url=_url(part_tpl))
+    settings = replace(
+        Settings(), database_url=_url(engine_tpl), participant_database_url=_url(part_tpl)
+    )
     asyncio.run(cli.cmd_migrate(settings, _Args(participants=True)))
     yield engine_tpl, part_tpl
     for name in (engine_tpl, part_tpl):
@@ -70,8 +71,11 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
 def broker_users(services: None) -> None:
     """One broker user per participant principal (permissions are set per vhost)."""
     for name in ("inventory", "payments", "shipping"):
-        asyncio.run(broker.management(MGMT, "PUT", f"/api/users/custody-{name}",
-                                      {"password": DEV_PASSWORD, "tags": ""}))
+        asyncio.run(
+            broker.management(
+                MGMT, "PUT", f"/api/users/custody-{name}", {"password": DEV_PASSWORD, "tags": ""}
+            )
+        )
 
 
 class _Args:
@@ -110,7 +114,9 @@ class Env:
             "CUSTODY_LOG_FORMAT": "json",
         }
 
-    async def sql(self, query: str, params: Any = None, *, participant: bool = False) -> list[tuple[Any, ...]]:
+    async def sql(
+        self, query: str, params: Any = None, *, participant: bool = False
+    ) -> list[tuple[Any, ...]]:
         url = self.settings.participant_database_url if participant else self.settings.database_url
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             cur = await conn.execute(query, params)  # type: ignore[arg-type]
@@ -126,8 +132,16 @@ def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Itera
     engine_tpl, part_tpl = templates
     tag = uuid.uuid4().hex[:10]
     engine_db, part_db, vhost = f"custody_t_{tag}", f"custody_p_{tag}", f"custody-test-{tag}"
-    _admin(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(engine_db), sql.Identifier(engine_tpl)))
-    _admin(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(part_db), sql.Identifier(part_tpl)))
+    _admin(
+        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(engine_db), sql.Identifier(engine_tpl)
+        )
+    )
+    _admin(
+        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(part_db), sql.Identifier(part_tpl)
+        )
+    )
     asyncio.run(broker.ensure_vhost(MGMT, vhost, ["guest"]))
     settings = Settings(
         database_url=_url(engine_db),
@@ -150,8 +164,12 @@ def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Itera
         _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 30.0,
-                     interval: float = 0.1, what: str = "condition") -> None:
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]],
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> None:
     """Poll ``predicate`` until true, or fail after ``timeout`` seconds (never a fixed sleep)."""
     deadline = time.monotonic() + timeout
     while True:

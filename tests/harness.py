@@ -17,13 +17,22 @@ from workers.config import Settings
 
 ENGINE = ("committer", "publisher", "receipts", "reconciler")
 PARTICIPANTS = ("inventory", "payments", "shipping")
-_MAINS = {"committer": committer.main, "publisher": publisher.main,
-          "receipts": receipts.main, "reconciler": reconciler.main}
+_MAINS = {
+    "committer": committer.main,
+    "publisher": publisher.main,
+    "receipts": receipts.main,
+    "reconciler": reconciler.main,
+}
 
 
 def order(i: int = 0, **overrides: Any) -> dict[str, Any]:
-    base = {"order_id": f"order-{i:05d}", "sku": "sku-1", "quantity": 1,
-            "amount_cents": 1_000 + i, "address": f"{i} Test Road"}
+    base = {
+        "order_id": f"order-{i:05d}",
+        "sku": "sku-1",
+        "quantity": 1,
+        "amount_cents": 1_000 + i,
+        "address": f"{i} Test Road",
+    }
     return {**base, **overrides}
 
 
@@ -46,18 +55,21 @@ class InProcessFleet:
         health = runtime.Health()
         if worker in PARTICIPANTS:
             s = settings or self.env.participant_settings(worker)
-            me = participant.Identity(owner=worker, principal=f"custody-{worker}",
-                                      bindings=frozenset({f"{worker}.v1"}))
-            coro = participant.serve(me, samples.HANDLERS[worker], s, stop, health,
-                                     schema=f"participant_{worker}")
+            me = participant.Identity(
+                owner=worker, principal=f"custody-{worker}", bindings=frozenset({f"{worker}.v1"})
+            )
+            coro = participant.serve(
+                me, samples.HANDLERS[worker], s, stop, health, schema=f"participant_{worker}"
+            )
         else:
             coro = _MAINS[worker](settings or self.env.settings, stop, health)
         run = Running(worker, stop, asyncio.create_task(coro, name=worker))
         self.running.append(run)
         return run
 
-    def start_all(self, engine: Sequence[str] = ENGINE,
-                  participants: Sequence[str] = PARTICIPANTS) -> None:
+    def start_all(
+        self, engine: Sequence[str] = ENGINE, participants: Sequence[str] = PARTICIPANTS
+    ) -> None:
         for w in (*engine, *participants):
             self.start(w)
 
@@ -89,16 +101,28 @@ async def client(settings: Settings, name: str = "test-client") -> Any:
         await amqp.close()
 
 
-async def publish_starts(settings: Settings, orders: Sequence[Mapping[str, Any]],
-                         tenant: str = "acme", process: str = "order-fulfilment") -> list[str]:
+async def publish_starts(
+    settings: Settings,
+    orders: Sequence[Mapping[str, Any]],
+    tenant: str = "acme",
+    process: str = "order-fulfilment",
+) -> list[str]:
     """Publish start requests (broker-confirmed); returns their start request ids."""
     ids, items = [], []
     for o in orders:
-        req = StartRequest(tenant=tenant, start_request_id=str(uuid.uuid4()), process=process,
-                           input=dict(o), requested_by="test")
+        req = StartRequest(
+            tenant=tenant,
+            start_request_id=str(uuid.uuid4()),
+            process=process,
+            input=dict(o),
+            requested_by="test",
+        )
         ids.append(req.start_request_id)
-        items.append(broker.Outgoing(req.start_request_id, broker.EXCHANGE_REQUESTS,
-                                     broker.START_KEY, codec.encode(req)))
+        items.append(
+            broker.Outgoing(
+                req.start_request_id, broker.EXCHANGE_REQUESTS, broker.START_KEY, codec.encode(req)
+            )
+        )
     async with client(settings) as amqp:
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
         outcomes = await pub.publish_many(items)
@@ -106,13 +130,23 @@ async def publish_starts(settings: Settings, orders: Sequence[Mapping[str, Any]]
     return ids
 
 
-async def publish_raw(settings: Settings, exchange: str, routing_key: str, bodies: Sequence[bytes],
-                      *, user_id: str | None = None, message_id: str | None = None) -> None:
+async def publish_raw(
+    settings: Settings,
+    exchange: str,
+    routing_key: str,
+    bodies: Sequence[bytes],
+    *,
+    user_id: str | None = None,
+    message_id: str | None = None,
+) -> None:
     async with client(settings) as amqp:
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=user_id)
-        outcomes = await pub.publish_many([
-            broker.Outgoing(message_id or str(uuid.uuid4()), exchange, routing_key, b)
-            for b in bodies])
+        outcomes = await pub.publish_many(
+            [
+                broker.Outgoing(message_id or str(uuid.uuid4()), exchange, routing_key, b)
+                for b in bodies
+            ]
+        )
     assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
+
+import orjson
 
 from contracts import codec, identity
 from contracts.models import (
@@ -22,8 +24,9 @@ from contracts.models import (
     SubmitCommand,
     Target,
 )
-from workers import broker, tracing
-from workers.db import jsonb
+from workers import tracing
+
+EXCHANGE_COMMANDS: Final = "custody.commands"  # workers.broker declares it
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,17 @@ class Pinned:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], attempt: int | None = None) -> Pinned:
-        return cls(operation_id=str(row["id"]), tenant=row["tenant"],
-                   attempt=attempt or row["attempt"], operation=row["operation"],
-                   route=row["route"], owner=row["owner"], binding=row["binding"],
-                   input=row["input"], lineage=row["lineage"])
+        return cls(
+            operation_id=str(row["id"]),
+            tenant=row["tenant"],
+            attempt=attempt or row["attempt"],
+            operation=row["operation"],
+            route=row["route"],
+            owner=row["owner"],
+            binding=row["binding"],
+            input=row["input"],
+            lineage=row["lineage"],
+        )
 
     @property
     def target(self) -> Target:
@@ -60,10 +70,17 @@ class Pinned:
 
     def _submit(self) -> SubmitCommand:
         return SubmitCommand(
-            request_id=self.submit_request_id, tenant=self.tenant,
-            operation_id=self.operation_id, attempt=self.attempt, operation=self.operation,
-            target=self.target, digest="0" * 64, issued_at=datetime.now(UTC),
-            input=dict(self.input), lineage=Lineage.model_validate(self.lineage, strict=False))
+            request_id=self.submit_request_id,
+            tenant=self.tenant,
+            operation_id=self.operation_id,
+            attempt=self.attempt,
+            operation=self.operation,
+            target=self.target,
+            digest="0" * 64,
+            issued_at=datetime.now(UTC),
+            input=dict(self.input),
+            lineage=Lineage.model_validate(self.lineage, strict=False),
+        )
 
 
 @dataclass(frozen=True)
@@ -76,44 +93,69 @@ class CommandRows:
     outbox_row: dict[str, Any]
 
 
-def _rows(pinned: Pinned, kind: str, request_id: str, digest: str, body: bytes,
-          traceparent: str | None) -> CommandRows:
+def _rows(
+    pinned: Pinned, kind: str, request_id: str, digest: str, body: bytes, traceparent: str | None
+) -> CommandRows:
     return CommandRows(
         request_id=request_id,
         digest=digest,
-        attempt_row={"request_id": request_id, "operation_id": pinned.operation_id,
-                     "attempt": pinned.attempt, "kind": kind, "digest": digest},
-        outbox_row={"id": request_id, "kind": kind, "exchange": broker.EXCHANGE_COMMANDS,
-                    "routing_key": pinned.binding, "body": body,
-                    "headers": jsonb({"traceparent": tracing.child(traceparent)}),
-                    "operation_id": pinned.operation_id},
+        attempt_row={
+            "request_id": request_id,
+            "operation_id": pinned.operation_id,
+            "attempt": pinned.attempt,
+            "kind": kind,
+            "digest": digest,
+        },
+        outbox_row={
+            "id": request_id,
+            "kind": kind,
+            "exchange": EXCHANGE_COMMANDS,
+            "routing_key": pinned.binding,
+            "body": body,
+            "headers": orjson.dumps({"traceparent": tracing.child(traceparent)}).decode(),
+            "operation_id": pinned.operation_id,
+        },
     )
 
 
 def submit(pinned: Pinned, *, traceparent: str | None = None) -> CommandRows:
     command = pinned._submit()
     command = command.model_copy(update={"digest": command.semantic_digest()})
-    return _rows(pinned, "submit", command.request_id, command.digest, codec.encode(command),
-                 traceparent)
+    return _rows(
+        pinned, "submit", command.request_id, command.digest, codec.encode(command), traceparent
+    )
 
 
 def query(pinned: Pinned, *, sequence: int, traceparent: str | None = None) -> CommandRows:
     digest = pinned.digest()
     command = QueryCommand(
         request_id=identity.request_id(pinned.operation_id, pinned.attempt, "query", sequence),
-        tenant=pinned.tenant, operation_id=pinned.operation_id, attempt=pinned.attempt,
-        operation=pinned.operation, target=pinned.target, digest=digest,
-        issued_at=datetime.now(UTC), submit_request_id=pinned.submit_request_id)
+        tenant=pinned.tenant,
+        operation_id=pinned.operation_id,
+        attempt=pinned.attempt,
+        operation=pinned.operation,
+        target=pinned.target,
+        digest=digest,
+        issued_at=datetime.now(UTC),
+        submit_request_id=pinned.submit_request_id,
+    )
     return _rows(pinned, "query", command.request_id, digest, codec.encode(command), traceparent)
 
 
-def cancel(pinned: Pinned, *, sequence: int, reason: str,
-           traceparent: str | None = None) -> CommandRows:
+def cancel(
+    pinned: Pinned, *, sequence: int, reason: str, traceparent: str | None = None
+) -> CommandRows:
     digest = pinned.digest()
     command = CancelCommand(
         request_id=identity.request_id(pinned.operation_id, pinned.attempt, "cancel", sequence),
-        tenant=pinned.tenant, operation_id=pinned.operation_id, attempt=pinned.attempt,
-        operation=pinned.operation, target=pinned.target, digest=digest,
-        issued_at=datetime.now(UTC), submit_request_id=pinned.submit_request_id,
-        reason=reason[:2000])
+        tenant=pinned.tenant,
+        operation_id=pinned.operation_id,
+        attempt=pinned.attempt,
+        operation=pinned.operation,
+        target=pinned.target,
+        digest=digest,
+        issued_at=datetime.now(UTC),
+        submit_request_id=pinned.submit_request_id,
+        reason=reason[:2000],
+    )
     return _rows(pinned, "cancel", command.request_id, digest, codec.encode(command), traceparent)

@@ -30,9 +30,9 @@ from aio_pika.abc import (
 )
 from pamqp import commands as spec
 
-from workers import errors
+from workers import adapter, errors
 
-EXCHANGE_COMMANDS: Final = "custody.commands"
+EXCHANGE_COMMANDS: Final = adapter.EXCHANGE_COMMANDS
 EXCHANGE_RECEIPTS: Final = "custody.receipts"
 EXCHANGE_REQUESTS: Final = "custody.requests"
 EXCHANGE_DEAD: Final = "custody.dead"
@@ -83,23 +83,31 @@ class Delivery:
     async def ack(self) -> None:
         """Ack on the channel it came from; a closed channel means the broker will
         redeliver it, and the consumer's idempotency handles that."""
-        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+        with contextlib.suppress(
+            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
+        ):
             await self._message.ack()
 
     async def reject(self) -> None:
         """Reject without requeue: the queue's policy dead-letters it."""
-        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+        with contextlib.suppress(
+            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
+        ):
             await self._message.reject(requeue=False)
 
     async def requeue(self) -> None:
-        with contextlib.suppress(aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+        with contextlib.suppress(
+            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
+        ):
             await self._message.nack(requeue=True)
 
 
 def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
     """Headers as bounded strings without U+0000, fit for a quarantine row."""
-    return {str(k)[:100].replace("\x00", ""): str(v)[:500].replace("\x00", "")
-            for k, v in list(headers.items())[:32]}
+    return {
+        str(k)[:100].replace("\x00", ""): str(v)[:500].replace("\x00", "")
+        for k, v in list(headers.items())[:32]
+    }
 
 
 def _delivery(message: AbstractIncomingMessage) -> Delivery:
@@ -128,7 +136,9 @@ class Broker:
                 self.url, client_properties={"connection_name": f"custody-{self.name}"}
             )
         except (aiormq.exceptions.AMQPError, OSError) as exc:
-            raise errors.BrokerError(f"cannot connect to RabbitMQ: {exc}", errors.Retry.RETRY) from exc
+            raise errors.BrokerError(
+                f"cannot connect to RabbitMQ: {exc}", errors.Retry.RETRY
+            ) from exc
 
     @property
     def connected(self) -> bool:
@@ -180,7 +190,9 @@ class Broker:
 class Publisher:
     """Confirmed publishing with a bounded window of unconfirmed messages."""
 
-    def __init__(self, broker: Broker, *, window: int, timeout_s: float, user_id: str | None) -> None:
+    def __init__(
+        self, broker: Broker, *, window: int, timeout_s: float, user_id: str | None
+    ) -> None:
         self._broker = broker
         self._window = asyncio.Semaphore(window)
         self._timeout_s = timeout_s
@@ -221,8 +233,12 @@ class Publisher:
                 return Outcome(item.message_id, False, f"nacked: {exc}")
             except TimeoutError:
                 return Outcome(item.message_id, False, "confirm timeout (outcome unknown)")
-            except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError,
-                    OSError, RuntimeError) as exc:
+            except (
+                aiormq.exceptions.AMQPError,
+                aio_pika.exceptions.ChannelInvalidStateError,
+                OSError,
+                RuntimeError,
+            ) as exc:
                 return Outcome(item.message_id, False, f"channel: {type(exc).__name__}: {exc}")
         if not isinstance(confirm, spec.Basic.Ack):
             return Outcome(item.message_id, False, f"not confirmed: {confirm!r}")
@@ -263,14 +279,18 @@ def topology(bindings: Sequence[str]) -> dict[str, Any]:
     binds = (
         [(EXCHANGE_COMMANDS, command_queue(b), b) for b in bindings]
         + [(EXCHANGE_RECEIPTS, QUEUE_RECEIPTS, RECEIPTS_KEY)]
-        + [(EXCHANGE_REQUESTS, QUEUE_REQUESTS, START_KEY), (EXCHANGE_REQUESTS, QUEUE_REQUESTS, CANCEL_KEY)]
+        + [
+            (EXCHANGE_REQUESTS, QUEUE_REQUESTS, START_KEY),
+            (EXCHANGE_REQUESTS, QUEUE_REQUESTS, CANCEL_KEY),
+        ]
         + [(EXCHANGE_DEAD, QUEUE_DEAD, "#")]
     )
     return {"exchanges": exchanges, "queues": queues, "bindings": binds}
 
 
-async def apply_topology(broker: Broker, bindings: Sequence[str], delivery_limit: int,
-                         management_url: str) -> dict[str, Any]:
+async def apply_topology(
+    broker: Broker, bindings: Sequence[str], delivery_limit: int, management_url: str
+) -> dict[str, Any]:
     """Declare everything idempotently, then set the queue policy. Returns what it did."""
     plan = topology(bindings)
     channel = await broker._connection().channel()
@@ -287,8 +307,12 @@ async def apply_topology(broker: Broker, bindings: Sequence[str], delivery_limit
     finally:
         await channel.close()
     vhost = vhost_of(broker.url)
-    await management(management_url, "PUT", f"/api/policies/{_q(vhost)}/{POLICY_NAME}",
-                     policy_definition(delivery_limit))
+    await management(
+        management_url,
+        "PUT",
+        f"/api/policies/{_q(vhost)}/{POLICY_NAME}",
+        policy_definition(delivery_limit),
+    )
     return plan
 
 
@@ -342,8 +366,12 @@ async def management(base_url: str, method: str, path: str, body: Any = None) ->
 async def ensure_vhost(management_url: str, vhost: str, users: Sequence[str]) -> None:
     await management(management_url, "PUT", f"/api/vhosts/{_q(vhost)}", {})
     for user in users:
-        await management(management_url, "PUT", f"/api/permissions/{_q(vhost)}/{_q(user)}",
-                         {"configure": ".*", "write": ".*", "read": ".*"})
+        await management(
+            management_url,
+            "PUT",
+            f"/api/permissions/{_q(vhost)}/{_q(user)}",
+            {"configure": ".*", "write": ".*", "read": ".*"},
+        )
 
 
 async def delete_vhost(management_url: str, vhost: str) -> None:
@@ -351,12 +379,25 @@ async def delete_vhost(management_url: str, vhost: str) -> None:
         await management(management_url, "DELETE", f"/api/vhosts/{_q(vhost)}")
 
 
-async def ensure_user(management_url: str, user: str, password: str, vhost: str,
-                      *, configure: str, write: str, read: str) -> None:
-    await management(management_url, "PUT", f"/api/users/{_q(user)}",
-                     {"password": password, "tags": ""})
-    await management(management_url, "PUT", f"/api/permissions/{_q(vhost)}/{_q(user)}",
-                     {"configure": configure, "write": write, "read": read})
+async def ensure_user(
+    management_url: str,
+    user: str,
+    password: str,
+    vhost: str,
+    *,
+    configure: str,
+    write: str,
+    read: str,
+) -> None:
+    await management(
+        management_url, "PUT", f"/api/users/{_q(user)}", {"password": password, "tags": ""}
+    )
+    await management(
+        management_url,
+        "PUT",
+        f"/api/permissions/{_q(vhost)}/{_q(user)}",
+        {"configure": configure, "write": write, "read": read},
+    )
 
 
 async def queue_depths(management_url: str, vhost: str) -> dict[str, int]:
@@ -364,9 +405,16 @@ async def queue_depths(management_url: str, vhost: str) -> dict[str, int]:
     return {r["name"]: int(r.get("messages") or 0) for r in rows or []}
 
 
-async def publish_raw(broker: Broker, exchange: str, routing_key: str, body: bytes, *,
-                      message_id: str | None = None, user_id: str | None = None,
-                      headers: Mapping[str, Any] | None = None) -> bool:
+async def publish_raw(
+    broker: Broker,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    *,
+    message_id: str | None = None,
+    user_id: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+) -> bool:
     """One confirmed publish outside any outbox (clients, tests, the demo's starts)."""
     publisher = Publisher(broker, window=1, timeout_s=10, user_id=user_id)
     [outcome] = await publisher.publish_many(

@@ -30,7 +30,9 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
 
 def _print(data: Any, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(orjson.dumps(data, default=str, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(
+            orjson.dumps(data, default=str, option=orjson.OPT_INDENT_2).decode() + "\n"
+        )
         return
     if isinstance(data, list):
         for row in data:
@@ -54,10 +56,12 @@ async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 async def migrate_participant(settings: Settings, owner: str) -> None:
     schema = participant_schema(owner)
-    await db.apply_script(settings.participant_database_url, db.SQL_DIR / "participant_schema.sql",
-                          schema=schema)
-    await db.apply_script(settings.participant_database_url, ROOT / "participants" / "samples.sql",
-                          schema=schema)
+    await db.apply_script(
+        settings.participant_database_url, db.SQL_DIR / "participant_schema.sql", schema=schema
+    )
+    await db.apply_script(
+        settings.participant_database_url, ROOT / "participants" / "samples.sql", schema=schema
+    )
 
 
 def participant_schema(owner: str) -> str:
@@ -69,13 +73,16 @@ async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
     amqp = broker.Broker(settings.amqp_url, "topology")
     await amqp.connect()
     try:
-        plan = await broker.apply_topology(amqp, table.bindings(), settings.delivery_limit,
-                                           settings.amqp_management_url)
+        plan = await broker.apply_topology(
+            amqp, table.bindings(), settings.delivery_limit, settings.amqp_management_url
+        )
     finally:
         await amqp.close()
-    print(f"declared {len(plan['exchanges'])} exchanges, {len(plan['queues'])} quorum queues, "
-          f"{len(plan['bindings'])} bindings; policy {broker.POLICY_NAME} "
-          f"(dead-letter-exchange {broker.EXCHANGE_DEAD}, delivery-limit {settings.delivery_limit})")
+    print(
+        f"declared {len(plan['exchanges'])} exchanges, {len(plan['queues'])} quorum queues, "
+        f"{len(plan['bindings'])} bindings; policy {broker.POLICY_NAME} "
+        f"(dead-letter-exchange {broker.EXCHANGE_DEAD}, delivery-limit {settings.delivery_limit})"
+    )
     return EXIT_OK
 
 
@@ -85,12 +92,18 @@ async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
     vhost = broker.vhost_of(settings.amqp_url)
     for route in table.by_name.values():
         await broker.ensure_user(
-            settings.amqp_management_url, route.principal, args.password, vhost,
+            settings.amqp_management_url,
+            route.principal,
+            args.password,
+            vhost,
             configure="^$",
             write=f"^({re.escape(broker.EXCHANGE_RECEIPTS)}|{re.escape(broker.EXCHANGE_DEAD)})$",
-            read=f"^{re.escape(broker.command_queue(route.binding))}$")
-        print(f"broker user {route.principal}: read {broker.command_queue(route.binding)}, "
-              f"write {broker.EXCHANGE_RECEIPTS}")
+            read=f"^{re.escape(broker.command_queue(route.binding))}$",
+        )
+        print(
+            f"broker user {route.principal}: read {broker.command_queue(route.binding)}, "
+            f"write {broker.EXCHANGE_RECEIPTS}"
+        )
     return EXIT_OK
 
 
@@ -100,10 +113,17 @@ async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
         return await run_participant(settings, args.name)
     from workers import committer, publisher, receipts, reconciler
 
-    mains = {"committer": committer.main, "publisher": publisher.main,
-             "receipts": receipts.main, "reconciler": reconciler.main}
-    return await runtime.run(args.worker, lambda stop, health: mains[args.worker](settings, stop, health),
-                             metrics_port=settings.metrics_port)
+    mains = {
+        "committer": committer.main,
+        "publisher": publisher.main,
+        "receipts": receipts.main,
+        "reconciler": reconciler.main,
+    }
+    return await runtime.run(
+        args.worker,
+        lambda stop, health: mains[args.worker](settings, stop, health),
+        metrics_port=settings.metrics_port,
+    )
 
 
 async def run_participant(settings: Settings, name: str | None) -> int:
@@ -122,14 +142,18 @@ async def run_participant(settings: Settings, name: str | None) -> int:
     if broker.user_of(settings.amqp_url) != principal:
         raise errors.ConfigError(
             f"participant {name} must connect as its principal {principal!r}, "
-            f"not {broker.user_of(settings.amqp_url)!r} (RabbitMQ validates user_id)")
-    me = participant.Identity(owner=name, principal=principal,
-                              bindings=frozenset(r.binding for r in owned))
+            f"not {broker.user_of(settings.amqp_url)!r} (RabbitMQ validates user_id)"
+        )
+    me = participant.Identity(
+        owner=name, principal=principal, bindings=frozenset(r.binding for r in owned)
+    )
     return await runtime.run(
         f"participant-{name}",
-        lambda stop, health: participant.serve(me, samples.HANDLERS[name], settings, stop, health,
-                                               schema=participant_schema(name)),
-        metrics_port=settings.metrics_port)
+        lambda stop, health: participant.serve(
+            me, samples.HANDLERS[name], settings, stop, health, schema=participant_schema(name)
+        ),
+        metrics_port=settings.metrics_port,
+    )
 
 
 async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
@@ -145,22 +169,41 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
         ids = []
         items = []
         for _ in range(args.count):
-            request = StartRequest(tenant=args.tenant, start_request_id=str(uuid.uuid4()),
-                                   process=args.process, input=data, requested_by=args.actor)
+            request = StartRequest(
+                tenant=args.tenant,
+                start_request_id=str(uuid.uuid4()),
+                process=args.process,
+                input=data,
+                requested_by=args.actor,
+            )
             ids.append(request.start_request_id)
-            items.append(broker.Outgoing(request.start_request_id, broker.EXCHANGE_REQUESTS,
-                                         broker.START_KEY, codec.encode(request)))
+            items.append(
+                broker.Outgoing(
+                    request.start_request_id,
+                    broker.EXCHANGE_REQUESTS,
+                    broker.START_KEY,
+                    codec.encode(request),
+                )
+            )
         outcomes = await pub.publish_many(items)
     finally:
         await amqp.close()
     failed = [o for o in outcomes if not o.ok]
-    _print({"published": len(outcomes) - len(failed), "failed": len(failed),
-            "start_request_ids": ids[:10]}, args.json)
+    _print(
+        {
+            "published": len(outcomes) - len(failed),
+            "failed": len(failed),
+            "start_request_ids": ids[:10],
+        },
+        args.json,
+    )
     return EXIT_OK if not failed else EXIT_FAILED
 
 
 async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    database = db.Database(settings.database_url, schema="custody", name="cli", min_size=1, max_size=1)
+    database = db.Database(
+        settings.database_url, schema="custody", name="cli", min_size=1, max_size=1
+    )
     await database.open()
     try:
         async with database.transaction() as tx:
@@ -172,8 +215,12 @@ async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[
 async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
     params = {"reason": args.reason, "limit": args.limit}
     if args.participant:
-        database = db.Database(settings.participant_database_url,
-                               schema=participant_schema(args.participant), name="cli", max_size=1)
+        database = db.Database(
+            settings.participant_database_url,
+            schema=participant_schema(args.participant),
+            name="cli",
+            max_size=1,
+        )
         await database.open()
         try:
             async with database.transaction() as tx:
@@ -187,15 +234,21 @@ async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_instances(settings: Settings, args: argparse.Namespace) -> int:
-    rows = await _query(settings, "instance_list",
-                        {"status": args.status, "tenant": args.tenant, "limit": args.limit})
+    rows = await _query(
+        settings,
+        "instance_list",
+        {"status": args.status, "tenant": args.tenant, "limit": args.limit},
+    )
     _print(rows, args.json)
     return EXIT_OK
 
 
 async def cmd_operations(settings: Settings, args: argparse.Namespace) -> int:
-    rows = await _query(settings, "operation_list", {"status": args.status, "tenant": args.tenant,
-                                                     "route": args.route, "limit": args.limit})
+    rows = await _query(
+        settings,
+        "operation_list",
+        {"status": args.status, "tenant": args.tenant, "route": args.route, "limit": args.limit},
+    )
     _print(rows, args.json)
     return EXIT_OK
 
@@ -221,8 +274,10 @@ async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
         else:
             path.write_text(text)
     if drift:
-        print(f"JSON Schemas drifted from the models: {drift}; run `custody contracts schemas`",
-              file=sys.stderr)
+        print(
+            f"JSON Schemas drifted from the models: {drift}; run `custody contracts schemas`",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     print("schemas up to date" if args.check else f"wrote {out}")
     return EXIT_OK
@@ -245,8 +300,11 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
         outcome = await call(operator.Operator(database, roles))
     finally:
         await database.close()
-    codes = {operator.Result.DONE: EXIT_OK, operator.Result.REFUSED: EXIT_REFUSED,
-             operator.Result.NOT_FOUND: EXIT_NOT_FOUND}
+    codes = {
+        operator.Result.DONE: EXIT_OK,
+        operator.Result.REFUSED: EXIT_REFUSED,
+        operator.Result.NOT_FOUND: EXIT_NOT_FOUND,
+    }
     if args.json:
         _print({"result": outcome.result.value, "message": outcome.message, **outcome.data}, True)
     else:
@@ -258,20 +316,23 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
 async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
     actor = _actor(args)
     return await _operator_command(
-        settings, args, lambda op: op.reconcile(actor, args.operation_id, args.reason))
+        settings, args, lambda op: op.reconcile(actor, args.operation_id, args.reason)
+    )
 
 
 async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
     actor = _actor(args)
     return await _operator_command(
-        settings, args, lambda op: op.retry_safe(actor, args.operation_id, args.reason))
+        settings, args, lambda op: op.retry_safe(actor, args.operation_id, args.reason)
+    )
 
 
 async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
     actor = _actor(args)
     paused = args.dispatch_command == "pause"
     return await _operator_command(
-        settings, args, lambda op: op.set_paused(actor, paused, args.reason, args.instance))
+        settings, args, lambda op: op.set_paused(actor, paused, args.reason, args.instance)
+    )
 
 
 async def cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
@@ -333,19 +394,30 @@ async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="custody", description=__doc__.split("\n")[0] if __doc__ else "")
+    p = argparse.ArgumentParser(
+        prog="custody", description=__doc__.split("\n")[0] if __doc__ else ""
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    dbp = sub.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
+    dbp = sub.add_parser("db", help="database schema").add_subparsers(
+        dest="db_command", required=True
+    )
     m = dbp.add_parser("migrate", help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently")
-    m.add_argument("--participants", action="store_true",
-                   help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)")
+    m.add_argument(
+        "--participants",
+        action="store_true",
+        help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)",
+    )
     m.set_defaults(fn=cmd_migrate)
 
-    top = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(dest="t", required=True)
-    top.add_parser("apply", help="declare exchanges, quorum queues, bindings and the policy "
-                   "(CUSTODY_AMQP_URL, CUSTODY_AMQP_MANAGEMENT_URL, CUSTODY_DELIVERY_LIMIT)"
-                   ).set_defaults(fn=cmd_topology)
+    top = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
+        dest="t", required=True
+    )
+    top.add_parser(
+        "apply",
+        help="declare exchanges, quorum queues, bindings and the policy "
+        "(CUSTODY_AMQP_URL, CUSTODY_AMQP_MANAGEMENT_URL, CUSTODY_DELIVERY_LIMIT)",
+    ).set_defaults(fn=cmd_topology)
 
     br = sub.add_parser("broker", help="broker users").add_subparsers(dest="b", required=True)
     du = br.add_parser("dev-users", help="one user per participant principal (dev and tests)")
@@ -353,7 +425,9 @@ def parser() -> argparse.ArgumentParser:
     du.set_defaults(fn=cmd_dev_users)
 
     r = sub.add_parser("run", help="run one worker until SIGTERM")
-    r.add_argument("worker", choices=["committer", "publisher", "receipts", "reconciler", "participant"])
+    r.add_argument(
+        "worker", choices=["committer", "publisher", "receipts", "reconciler", "participant"]
+    )
     r.add_argument("--name", help="participant name (inventory, payments, shipping)")
     r.set_defaults(fn=cmd_run)
 
@@ -366,16 +440,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_start)
 
-    q = sub.add_parser("quarantine", help="quarantined messages").add_subparsers(dest="q", required=True)
+    q = sub.add_parser("quarantine", help="quarantined messages").add_subparsers(
+        dest="q", required=True
+    )
     ql = q.add_parser("list", help="newest first, with their reasons")
     ql.add_argument("--reason")
-    ql.add_argument("--participant", help="a participant's refused commands instead of the engine's")
+    ql.add_argument(
+        "--participant", help="a participant's refused commands instead of the engine's"
+    )
     ql.add_argument("--limit", type=int, default=50)
     ql.add_argument("--json", action="store_true")
     ql.set_defaults(fn=cmd_quarantine)
 
-    for noun, fn, show in (("instances", cmd_instances, cmd_instance_show),
-                           ("operations", cmd_operations, cmd_operation_show)):
+    for noun, fn, show in (
+        ("instances", cmd_instances, cmd_instance_show),
+        ("operations", cmd_operations, cmd_operation_show),
+    ):
         nouns = sub.add_parser(noun).add_subparsers(dest="x", required=True)
         sp = nouns.add_parser("show", help=f"one of the {noun}, in full (JSON)")
         sp.add_argument("id")
@@ -396,33 +476,46 @@ def parser() -> argparse.ArgumentParser:
 
     def operator_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--reason", required=True, help="why (audited)")
-        p.add_argument("--as", dest="actor",
-                       help="who you are, as in deploy/operators.toml (CUSTODY_OPERATOR)")
+        p.add_argument(
+            "--as", dest="actor", help="who you are, as in deploy/operators.toml (CUSTODY_OPERATOR)"
+        )
         p.add_argument("--json", action="store_true")
 
-    rc = sub.add_parser("reconcile", help="query the pinned executor of an outcome_unknown "
-                        "operation (ReconcilePending); exit 0 done, 3 refused, 4 not found")
+    rc = sub.add_parser(
+        "reconcile",
+        help="query the pinned executor of an outcome_unknown "
+        "operation (ReconcilePending); exit 0 done, 3 refused, 4 not found",
+    )
     rc.add_argument("operation_id")
     operator_args(rc)
     rc.set_defaults(fn=cmd_reconcile)
 
-    rs = sub.add_parser("retry-safe", help="a new attempt, only from retry_waiting with "
-                        "effect none; exit 0 done, 3 refused, 4 not found")
+    rs = sub.add_parser(
+        "retry-safe",
+        help="a new attempt, only from retry_waiting with "
+        "effect none; exit 0 done, 3 refused, 4 not found",
+    )
     rs.add_argument("operation_id")
     operator_args(rs)
     rs.set_defaults(fn=cmd_retry_safe)
 
     dp = sub.add_parser("dispatch", help="pause or resume effect dispatch").add_subparsers(
-        dest="dispatch_command", required=True)
+        dest="dispatch_command", required=True
+    )
     for verb in ("pause", "resume"):
-        v = dp.add_parser(verb, help=f"{verb} submits globally, or for one --instance "
-                          "(queries and cancels still flow)")
+        v = dp.add_parser(
+            verb,
+            help=f"{verb} submits globally, or for one --instance (queries and cancels still flow)",
+        )
         v.add_argument("--instance")
         operator_args(v)
         v.set_defaults(fn=cmd_dispatch)
 
-    au = sub.add_parser("audit").add_subparsers(dest="a", required=True).add_parser(
-        "list", help="operator commands and refusals, newest first")
+    au = (
+        sub.add_parser("audit")
+        .add_subparsers(dest="a", required=True)
+        .add_parser("list", help="operator commands and refusals, newest first")
+    )
     au.add_argument("--limit", type=int, default=50)
     au.add_argument("--json", action="store_true")
     au.set_defaults(fn=cmd_audit)
@@ -433,7 +526,8 @@ def parser() -> argparse.ArgumentParser:
     cs.set_defaults(fn=cmd_schemas)
 
     sub.add_parser("config").add_subparsers(dest="cf", required=True).add_parser(
-        "show", help="effective settings, secrets redacted").set_defaults(fn=cmd_config)
+        "show", help="effective settings, secrets redacted"
+    ).set_defaults(fn=cmd_config)
 
     d = sub.add_parser("demo", help="the whole fleet and sample participants doing real work")
     d.add_argument("--instances", type=int, default=300)

@@ -18,7 +18,19 @@ import orjson
 
 from contracts import codec, digest, identity
 from contracts.models import ExecutorRoute, Lineage, StartRequest
-from workers import adapter, broker, consumer, db, engine, faults, metrics, process, routes, runtime, tracing
+from workers import (
+    adapter,
+    broker,
+    consumer,
+    db,
+    engine,
+    faults,
+    metrics,
+    process,
+    routes,
+    runtime,
+    tracing,
+)
 from workers.config import Settings
 
 ACTOR = "committer"
@@ -60,27 +72,61 @@ def plan_activation(
         node=node_name,
         activation=activation,
     ).model_dump(mode="json")
-    command = adapter.submit(adapter.Pinned(
-        operation_id=op_id, tenant=tenant, attempt=1, operation=node.operation,
-        route=route.name, owner=route.owner, binding=route.binding, input=op_input,
-        lineage=lineage), traceparent=traceparent)
+    command = adapter.submit(
+        adapter.Pinned(
+            operation_id=op_id,
+            tenant=tenant,
+            attempt=1,
+            operation=node.operation,
+            route=route.name,
+            owner=route.owner,
+            binding=route.binding,
+            input=op_input,
+            lineage=lineage,
+        ),
+        traceparent=traceparent,
+    )
     return Plan(
-        node={"instance_id": instance_id, "node": node_name, "activation": activation,
-              "operation_id": op_id},
+        node={
+            "instance_id": instance_id,
+            "node": node_name,
+            "activation": activation,
+            "operation_id": op_id,
+        },
         operation={
-            "id": op_id, "tenant": tenant, "instance_id": instance_id, "node": node_name,
-            "activation": activation, "operation": node.operation, "route": route.name,
-            "owner": route.owner, "principal": route.principal, "binding": route.binding,
-            "input": db.jsonb(op_input), "lineage": db.jsonb(lineage), "attempt": 1,
-            "digest": command.digest, "deadline_seconds": node.deadline_seconds,
+            "id": op_id,
+            "tenant": tenant,
+            "instance_id": instance_id,
+            "node": node_name,
+            "activation": activation,
+            "operation": node.operation,
+            "route": route.name,
+            "owner": route.owner,
+            "principal": route.principal,
+            "binding": route.binding,
+            "input": db.jsonb(op_input),
+            "lineage": db.jsonb(lineage),
+            "attempt": 1,
+            "digest": command.digest,
+            "deadline_seconds": node.deadline_seconds,
         },
         attempt=command.attempt_row,
         outbox=command.outbox_row,
-        history={"instance_id": instance_id, "operation_id": op_id, "event": "node.activated",
-                 "detail": db.jsonb({"node": node_name, "activation": activation,
-                                     "operation": node.operation, "route": route.name,
-                                     "binding": route.binding}),
-                 "actor": ACTOR},
+        history={
+            "instance_id": instance_id,
+            "operation_id": op_id,
+            "event": "node.activated",
+            "detail": db.jsonb(
+                {
+                    "node": node_name,
+                    "activation": activation,
+                    "operation": node.operation,
+                    "route": route.name,
+                    "binding": route.binding,
+                }
+            ),
+            "actor": ACTOR,
+        },
     )
 
 
@@ -93,8 +139,14 @@ async def _write_plans(tx: db.Tx, plans: Sequence[Plan]) -> None:
 
 
 class Committer:
-    def __init__(self, settings: Settings, database: db.Database, lease: db.Lease,
-                 table: routes.Routes, catalog: process.Catalog) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        database: db.Database,
+        lease: db.Lease,
+        table: routes.Routes,
+        catalog: process.Catalog,
+    ) -> None:
         self.settings = settings
         self.db = database
         self.lease = lease
@@ -118,47 +170,94 @@ class Committer:
                 old = existing.get(iid)
                 if old is not None or iid in seen:
                     if old is not None and old["input"] != start.input:
-                        quarantine.append(_quarantine_row(
-                            d, "start_conflict", "same start request id with different input",
-                            tenant=start.tenant))
+                        quarantine.append(
+                            _quarantine_row(
+                                d,
+                                "start_conflict",
+                                "same start request id with different input",
+                                tenant=start.tenant,
+                            )
+                        )
                     continue
                 try:
                     definition = self.catalog.latest(start.process)
                 except process.DefinitionError as exc:
-                    quarantine.append(_quarantine_row(d, "unknown_process", str(exc), tenant=start.tenant))
+                    quarantine.append(
+                        _quarantine_row(d, "unknown_process", str(exc), tenant=start.tenant)
+                    )
                     continue
                 pinned = pin_routes(definition, self.routes)
                 try:
                     traceparent = tracing.from_headers(d.headers)
                     plan = plan_activation(
-                        tenant=start.tenant, instance_id=iid, definition=definition,
-                        node_name=definition.start, activation=1, instance_input=start.input,
-                        results={}, pinned=pinned, traceparent=traceparent)
+                        tenant=start.tenant,
+                        instance_id=iid,
+                        definition=definition,
+                        node_name=definition.start,
+                        activation=1,
+                        instance_input=start.input,
+                        results={},
+                        pinned=pinned,
+                        traceparent=traceparent,
+                    )
                 except (process.InputError, digest.CanonicalFormError) as exc:
-                    quarantine.append(_quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant))
+                    quarantine.append(
+                        _quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant)
+                    )
                     continue
                 seen.add(iid)
-                instances.append({
-                    "id": iid, "tenant": start.tenant, "start_request_id": start.start_request_id,
-                    "process": definition.name, "process_version": definition.version,
-                    "input": orjson.dumps(start.input).decode(), "requested_by": start.requested_by,
-                    "traceparent": traceparent,
-                    "routes": orjson.dumps({k: v.model_dump(mode="json")
-                                            for k, v in pinned.items()}).decode(),
-                })
+                instances.append(
+                    {
+                        "id": iid,
+                        "tenant": start.tenant,
+                        "start_request_id": start.start_request_id,
+                        "process": definition.name,
+                        "process_version": definition.version,
+                        "input": orjson.dumps(start.input).decode(),
+                        "requested_by": start.requested_by,
+                        "traceparent": traceparent,
+                        "routes": orjson.dumps(
+                            {k: v.model_dump(mode="json") for k, v in pinned.items()}
+                        ).decode(),
+                    }
+                )
                 plans.append(plan)
             inserted = set()
             if instances:
-                columns = ("id", "tenant", "start_request_id", "process", "process_version",
-                           "input", "requested_by", "traceparent", "routes")
-                inserted = {r["id"] for r in await tx.rows("instance_insert", {
-                    c: [i[c] for i in instances] for c in columns})}
+                columns = (
+                    "id",
+                    "tenant",
+                    "start_request_id",
+                    "process",
+                    "process_version",
+                    "input",
+                    "requested_by",
+                    "traceparent",
+                    "routes",
+                )
+                inserted = {
+                    r["id"]
+                    for r in await tx.rows(
+                        "instance_insert", {c: [i[c] for i in instances] for c in columns}
+                    )
+                }
             instances = [i for i in instances if i["id"] in inserted]
             plans = [p for p in plans if p.node["instance_id"] in inserted]
-            await tx.run_many("history_insert", [
-                {"instance_id": i["id"], "operation_id": None, "event": "instance.started",
-                 "detail": db.jsonb({"process": i["process"], "version": i["process_version"]}),
-                 "actor": ACTOR} for i in instances])
+            await tx.run_many(
+                "history_insert",
+                [
+                    {
+                        "instance_id": i["id"],
+                        "operation_id": None,
+                        "event": "instance.started",
+                        "detail": db.jsonb(
+                            {"process": i["process"], "version": i["process_version"]}
+                        ),
+                        "actor": ACTOR,
+                    }
+                    for i in instances
+                ],
+            )
             await _write_plans(tx, plans)
             await tx.run_many("quarantine_insert", quarantine)
             faults.crash_point("before_commit")
@@ -176,16 +275,23 @@ class Committer:
             results: dict[Any, dict[str, Any]] = {}
             for r in await tx.rows("instance_results", {"ids": ids}):
                 results.setdefault(r["instance_id"], {})[r["node"]] = r["result"]
-            activations = {(r["instance_id"], r["node"]): r["activation"]
-                           for r in await tx.rows("node_activations", {"ids": ids})}
+            activations = {
+                (r["instance_id"], r["node"]): r["activation"]
+                for r in await tx.rows("node_activations", {"ids": ids})
+            }
             plans: list[Plan] = []
             history: list[dict[str, Any]] = []
             for intent in intents:
                 iid = intent["instance_id"]
                 nxt = intent["next_node"]
                 if intent["instance_status"] != "running":
-                    history.append(_history(iid, "successor.suppressed",
-                                            {"instance_status": intent["instance_status"]}))
+                    history.append(
+                        _history(
+                            iid,
+                            "successor.suppressed",
+                            {"instance_status": intent["instance_status"]},
+                        )
+                    )
                     continue
                 if nxt in (process.END_COMPLETED, process.END_FAILED):
                     status = "completed" if nxt == process.END_COMPLETED else "failed"
@@ -193,17 +299,27 @@ class Committer:
                     history.append(_history(iid, f"instance.{status}", {}))
                     continue
                 definition = self.catalog.get(intent["process"], intent["process_version"])
-                pinned = {k: ExecutorRoute.model_validate(v, strict=False)
-                          for k, v in intent["routes"].items()}
+                pinned = {
+                    k: ExecutorRoute.model_validate(v, strict=False)
+                    for k, v in intent["routes"].items()
+                }
                 self._warn_drift(iid, pinned)
                 activation = activations.get((iid, nxt), 0) + 1
                 activations[(iid, nxt)] = activation
                 try:
-                    plans.append(plan_activation(
-                        tenant=intent["tenant"], instance_id=str(iid), definition=definition,
-                        node_name=nxt, activation=activation, instance_input=intent["input"],
-                        results=results.get(iid, {}), pinned=pinned,
-                        traceparent=intent["traceparent"]))
+                    plans.append(
+                        plan_activation(
+                            tenant=intent["tenant"],
+                            instance_id=str(iid),
+                            definition=definition,
+                            node_name=nxt,
+                            activation=activation,
+                            instance_input=intent["input"],
+                            results=results.get(iid, {}),
+                            pinned=pinned,
+                            traceparent=intent["traceparent"],
+                        )
+                    )
                 except (process.InputError, digest.CanonicalFormError, KeyError) as exc:
                     await tx.run("instance_finish", {"id": iid, "status": "failed"})
                     history.append(_history(iid, "instance.failed", {"error": str(exc)}))
@@ -213,7 +329,6 @@ class Committer:
         metrics.TRANSITIONS.labels("successor").inc(len(intents))
         return len(intents)
 
-
     def _warn_drift(self, instance_id: Any, pinned: Mapping[str, ExecutorRoute]) -> None:
         """A pinned route that the current file changed or removed is an alert, never a
         redirect: the instance keeps the binding it started with."""
@@ -221,9 +336,14 @@ class Committer:
             current = self.routes.by_name.get(name)
             if current != route:
                 metrics.ROUTE_DRIFT.labels(name).inc()
-                runtime.event("route.drift", logging.WARNING, instance_id=str(instance_id),
-                              route=name, pinned=route.binding,
-                              current=current.binding if current else None)
+                runtime.event(
+                    "route.drift",
+                    logging.WARNING,
+                    instance_id=str(instance_id),
+                    route=name,
+                    pinned=route.binding,
+                    current=current.binding if current else None,
+                )
 
 
 def pin_routes(definition: process.Definition, table: routes.Routes) -> dict[str, ExecutorRoute]:
@@ -232,16 +352,28 @@ def pin_routes(definition: process.Definition, table: routes.Routes) -> dict[str
 
 
 def _history(instance_id: Any, event: str, detail: dict[str, Any]) -> dict[str, Any]:
-    return {"instance_id": instance_id, "operation_id": None, "event": event,
-            "detail": db.jsonb(detail), "actor": ACTOR}
-
-
-def _quarantine_row(d: broker.Delivery, reason: str, detail: str,
-                    tenant: str | None = None) -> dict[str, Any]:
     return {
-        "source": broker.QUEUE_REQUESTS, "reason": reason, "detail": detail[:2000],
-        "message_id": d.message_id, "user_id": d.user_id, "tenant": tenant,
-        "operation_id": None, "body": d.body, "headers": db.jsonb(broker.safe_headers(d.headers)),
+        "instance_id": instance_id,
+        "operation_id": None,
+        "event": event,
+        "detail": db.jsonb(detail),
+        "actor": ACTOR,
+    }
+
+
+def _quarantine_row(
+    d: broker.Delivery, reason: str, detail: str, tenant: str | None = None
+) -> dict[str, Any]:
+    return {
+        "source": broker.QUEUE_REQUESTS,
+        "reason": reason,
+        "detail": detail[:2000],
+        "message_id": d.message_id,
+        "user_id": d.user_id,
+        "tenant": tenant,
+        "operation_id": None,
+        "body": d.body,
+        "headers": db.jsonb(broker.safe_headers(d.headers)),
         "worker": ACTOR,
     }
 
@@ -252,14 +384,21 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
         waker = runtime.Waker(settings.poll_interval_s)
 
         async def starts() -> None:
-            await consumer.run(ctx.broker, [broker.QUEUE_REQUESTS], settings=settings, stop=stop,
-                               worker=ACTOR, handle=committer.commit_starts,
-                               on_fenced=ctx.reacquire)
+            await consumer.run(
+                ctx.broker,
+                [broker.QUEUE_REQUESTS],
+                settings=settings,
+                stop=stop,
+                worker=ACTOR,
+                handle=committer.commit_starts,
+                on_fenced=ctx.reacquire,
+            )
 
         async def successors() -> None:
             while not stop.requested:
-                n = await runtime.redo(committer.commit_successors, worker=ACTOR, stop=stop,
-                                       on_fenced=ctx.reacquire)
+                n = await runtime.redo(
+                    committer.commit_successors, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire
+                )
                 if n < settings.batch_size:
                     await waker.wait()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -59,11 +59,14 @@ class Settings:
                     raise ConfigError(f"{file_key}: {exc}") from None
             if raw is None:
                 continue
-            kind = type(f.default)
+            default: object = f.default
+            convert: Callable[[str], object] = type(default)
             try:
-                values[f.name] = kind(raw)
+                values[f.name] = convert(raw)
             except ValueError:
-                raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+                raise ConfigError(
+                    f"{key}={raw!r} is not a valid {type(default).__name__}"
+                ) from None
         settings = cls(**values)
         settings.check()
         return settings

@@ -10,6 +10,7 @@ queue's policy dead-letters it), so it never blocks the queue behind it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -20,28 +21,43 @@ from workers.config import Settings
 Handle = Callable[[Sequence[broker.Delivery]], Awaitable[Any]]
 
 
-async def run(amqp: broker.Broker, queues: Sequence[str], *, settings: Settings,
-              stop: runtime.Stop, worker: str, handle: Handle,
-              on_fenced: Callable[[], Awaitable[Any]],
-              after_commit: Callable[[], None] = lambda: None) -> None:
+async def run(
+    amqp: broker.Broker,
+    queues: Sequence[str],
+    *,
+    settings: Settings,
+    stop: runtime.Stop,
+    worker: str,
+    handle: Handle,
+    on_fenced: Callable[[], Awaitable[Any]],
+    after_commit: Callable[[], None] = lambda: None,
+) -> None:
     dead = await amqp.publisher(window=8, timeout_s=settings.confirm_timeout_s, user_id=None)
     async with amqp.consume(queues, settings.prefetch) as inbox:
         while not stop.requested:
             batch = await runtime.next_batch(
-                inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000)
+                inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000
+            )
             if not batch:
                 continue
             metrics.REDELIVERIES.labels(worker).inc(sum(d.redelivered for d in batch))
-            await process(batch, worker=worker, stop=stop, handle=handle, on_fenced=on_fenced,
-                          dead=dead)
+            await process(
+                batch, worker=worker, stop=stop, handle=handle, on_fenced=on_fenced, dead=dead
+            )
             for d in batch:
                 await d.ack()
             after_commit()
 
 
-async def process(batch: Sequence[broker.Delivery], *, worker: str, stop: runtime.Stop,
-                  handle: Handle, on_fenced: Callable[[], Awaitable[Any]],
-                  dead: broker.Publisher) -> None:
+async def process(
+    batch: Sequence[broker.Delivery],
+    *,
+    worker: str,
+    stop: runtime.Stop,
+    handle: Handle,
+    on_fenced: Callable[[], Awaitable[Any]],
+    dead: broker.Publisher,
+) -> None:
     """Handle a batch; isolate and dead-letter what cannot be handled at all."""
 
     async def unit(items: Sequence[broker.Delivery]) -> Any:
@@ -57,28 +73,50 @@ async def process(batch: Sequence[broker.Delivery], *, worker: str, stop: runtim
                 raise
             await dead_letter(batch[0], worker=worker, error=exc, dead=dead)
             return
-        runtime.event("consumer.batch_failed", logging.WARNING, worker=worker, size=len(batch),
-                      error=repr(exc)[:300])
+        runtime.event(
+            "consumer.batch_failed",
+            logging.WARNING,
+            worker=worker,
+            size=len(batch),
+            error=repr(exc)[:300],
+        )
     for d in batch:
         try:
-            await runtime.redo(lambda d=d: unit([d]), worker=worker, stop=stop,
-                               on_fenced=on_fenced)
+            await runtime.redo(
+                functools.partial(unit, [d]), worker=worker, stop=stop, on_fenced=on_fenced
+            )
         except Exception as exc:
             if stop.requested:
                 raise
             await dead_letter(d, worker=worker, error=exc, dead=dead)
 
 
-async def dead_letter(d: broker.Delivery, *, worker: str, error: BaseException,
-                      dead: broker.Publisher) -> None:
+async def dead_letter(
+    d: broker.Delivery, *, worker: str, error: BaseException, dead: broker.Publisher
+) -> None:
     reason = f"{type(error).__name__}: {error}"[:500]
     metrics.DEAD_LETTERED.labels(worker).inc()
-    runtime.event("consumer.dead_lettered", logging.ERROR, worker=worker,
-                  message_id=d.message_id, reason=reason)
+    runtime.event(
+        "consumer.dead_lettered",
+        logging.ERROR,
+        worker=worker,
+        message_id=d.message_id,
+        reason=reason,
+    )
     headers = {str(k): v for k, v in d.headers.items() if not str(k).startswith("x-custody-")}
-    headers.update({"x-custody-reason": reason, "x-custody-worker": worker,
-                    "x-custody-routing-key": d.routing_key})
-    [outcome] = await dead.publish_many([broker.Outgoing(
-        d.message_id or "", broker.EXCHANGE_DEAD, f"poison.{worker}", d.body, headers)])
+    headers.update(
+        {
+            "x-custody-reason": reason,
+            "x-custody-worker": worker,
+            "x-custody-routing-key": d.routing_key,
+        }
+    )
+    [outcome] = await dead.publish_many(
+        [
+            broker.Outgoing(
+                d.message_id or "", broker.EXCHANGE_DEAD, f"poison.{worker}", d.body, headers
+            )
+        ]
+    )
     if not outcome.ok:
         await d.reject()

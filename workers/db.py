@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, LiteralString, cast
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -85,7 +85,7 @@ class Tx:
         cur = await self._conn.execute(_q(name), params)
         return cur.rowcount
 
-    async def run_many(self, name: str, params: Iterable[Params]) -> int:
+    async def run_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> int:
         seq = list(params)
         if not seq:
             return 0
@@ -106,7 +106,7 @@ class Tx:
 
 def _q(name: str) -> LiteralString:
     try:
-        return cast(LiteralString, QUERIES[name])
+        return QUERIES[name]  # mypy treats LiteralString as str; these come from one file
     except KeyError:
         raise errors.CustodyError(f"no query named {name!r} in queries.sql") from None
 
@@ -132,8 +132,9 @@ class Database:
         self.url = url
         self.schema = schema
         self.name = name
-        self._pool = AsyncConnectionPool(
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Row]] = AsyncConnectionPool(
             url,
+            connection_class=psycopg.AsyncConnection[Row],
             min_size=min_size,
             max_size=max_size,
             open=False,
@@ -214,7 +215,7 @@ class Database:
 
 async def apply_script(url: str, path: Path, *, schema: str | None = None) -> None:
     """Run a DDL script idempotently, serialised across runners by an advisory lock."""
-    text = path.read_text()
+    text = await asyncio.to_thread(path.read_text)
     try:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             await conn.execute("SELECT pg_advisory_lock(hashtext('custody.migrate'))")
@@ -228,7 +229,7 @@ async def apply_script(url: str, path: Path, *, schema: str | None = None) -> No
                         await conn.execute(
                             sql.SQL("SET LOCAL search_path = {}").format(sql.Identifier(schema))
                         )
-                    await conn.execute(cast(LiteralString, text))
+                    await conn.execute(text)
             finally:
                 await conn.execute("SELECT pg_advisory_unlock(hashtext('custody.migrate'))")
     except psycopg.Error as exc:
@@ -247,9 +248,7 @@ async def ensure_database(url: str) -> None:
             cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
             if await cur.fetchone() is None:
                 with contextlib.suppress(psycopg.errors.DuplicateDatabase):
-                    await conn.execute(
-                        sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname))
-                    )
+                    await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc
 

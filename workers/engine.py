@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import broker, db, metrics, process, routes, runtime
+from workers import broker, metrics, process, routes, runtime
+from workers import db as dbm
 from workers.config import Settings
 
 
@@ -17,9 +18,9 @@ from workers.config import Settings
 class Context:
     settings: Settings
     worker: str
-    db: db.Database
+    db: dbm.Database
     broker: broker.Broker
-    lease: db.Lease
+    lease: dbm.Lease
     routes: routes.Routes
     catalog: process.Catalog
 
@@ -34,8 +35,13 @@ class Context:
             await asyncio.sleep(self.lease.ttl_s / 3)
             if not await self.db.renew(self.lease):
                 metrics.LEASE_LOSSES.labels(self.worker).inc()
-                runtime.event("lease.lost", logging.WARNING, worker=self.worker,
-                              holder=self.lease.holder, epoch=self.lease.epoch)
+                runtime.event(
+                    "lease.lost",
+                    logging.WARNING,
+                    worker=self.worker,
+                    holder=self.lease.holder,
+                    epoch=self.lease.epoch,
+                )
                 await self.db.acquire(self.lease)
 
 
@@ -45,12 +51,13 @@ def load_config(settings: Settings) -> tuple[routes.Routes, process.Catalog]:
 
 
 @contextlib.asynccontextmanager
-async def context(settings: Settings, worker: str, health: runtime.Health,
-                  *, consumes: bool = True) -> AsyncIterator[Context]:
+async def context(
+    settings: Settings, worker: str, health: runtime.Health, *, consumes: bool = True
+) -> AsyncIterator[Context]:
     table, catalog = load_config(settings)
-    database = db.Database(settings.database_url, schema="custody", name=worker)
+    database = dbm.Database(settings.database_url, schema="custody", name=worker)
     amqp = broker.Broker(settings.amqp_url, worker)
-    lease = db.Lease(worker, ttl_s=settings.lease_ttl_s)
+    lease = dbm.Lease(worker, ttl_s=settings.lease_ttl_s)
     await database.open()
     try:
         await amqp.connect()

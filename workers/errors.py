@@ -44,17 +44,25 @@ class BrokerError(CustodyError):
 
 
 FENCE_SQLSTATE = "CU001"
-_RETRYABLE_SQLSTATES = frozenset({
-    "40001",  # serialization_failure
-    "40P01",  # deadlock_detected
-    "55P03",  # lock_not_available
-    "57014",  # query_canceled (statement timeout)
-    "25P03",  # idle_in_transaction_session_timeout
-    "53300",  # too_many_connections
-    "57P01", "57P02", "57P03",  # admin shutdown, crash shutdown, cannot connect now
-    "08000", "08003", "08006", "08001", "08004",  # connection exceptions
-    "53100",  # disk_full: writes fail, nothing is acked, retried once space is back
-})
+_RETRYABLE_SQLSTATES = frozenset(
+    {
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "55P03",  # lock_not_available
+        "57014",  # query_canceled (statement timeout)
+        "25P03",  # idle_in_transaction_session_timeout
+        "53300",  # too_many_connections
+        "57P01",
+        "57P02",
+        "57P03",  # admin shutdown, crash shutdown, cannot connect now
+        "08000",
+        "08003",
+        "08006",
+        "08001",
+        "08004",  # connection exceptions
+        "53100",  # disk_full: writes fail, nothing is acked, retried once space is back
+    }
+)
 
 
 def classify_sqlstate(sqlstate: str | None, *, during_commit: bool) -> Retry:

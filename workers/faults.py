@@ -10,15 +10,17 @@ import os
 import signal
 from typing import Final
 
-POINTS: Final = frozenset({
-    "before_commit",
-    "after_publish_before_confirm",
-    "after_confirm_before_mark",
-    "after_commit_before_ack",
-    "mid_effect",
-    "receipts_after_commit_before_ack",
-    "reconciler_after_query",
-})
+POINTS: Final = frozenset(
+    {
+        "before_commit",
+        "after_publish_before_confirm",
+        "after_confirm_before_mark",
+        "after_commit_before_ack",
+        "mid_effect",
+        "receipts_after_commit_before_ack",
+        "reconciler_after_query",
+    }
+)
 
 _enabled = frozenset(p for p in os.environ.get("CUSTODY_CRASH_POINTS", "").split(",") if p)
 _unknown = _enabled - POINTS

@@ -32,8 +32,9 @@ class Fleet:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, worker: str, *, name: str | None = None,
-              extra_env: Mapping[str, str] | None = None) -> Proc:
+    def start(
+        self, worker: str, *, name: str | None = None, extra_env: Mapping[str, str] | None = None
+    ) -> Proc:
         label = f"{worker}-{name}" if name else worker
         label = f"{label}-{sum(p.name.startswith(label) for p in self.procs) + 1}"
         log = self.log_dir / f"{label}.log"
@@ -48,14 +49,14 @@ class Fleet:
         self.procs.append(proc)
         return proc
 
-    def start_all(self, replicas: int = 1,
-                  participant_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    def start_all(
+        self, replicas: int = 1, participant_env: Mapping[str, Mapping[str, str]] | None = None
+    ) -> None:
         for _ in range(replicas):
             for worker in ENGINE_WORKERS:
                 self.start(worker)
             for name in PARTICIPANTS:
-                self.start("participant", name=name,
-                           extra_env=(participant_env or {}).get(name))
+                self.start("participant", name=name, extra_env=(participant_env or {}).get(name))
 
     def alive(self) -> list[str]:
         return [p.name for p in self.procs if p.popen.poll() is None]

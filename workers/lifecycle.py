@@ -81,8 +81,15 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     (S.DISPATCHED, E.ACCEPTED): S.ACCEPTED,
     **{
         (s, E.ACCEPTED): IGNORE
-        for s in (S.ACCEPTED, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.CANCELLING,
-                  S.OUTCOME_UNKNOWN, S.RECONCILE_PENDING)
+        for s in (
+            S.ACCEPTED,
+            S.SUCCEEDED,
+            S.FAILED,
+            S.CANCELLED,
+            S.CANCELLING,
+            S.OUTCOME_UNKNOWN,
+            S.RECONCILE_PENDING,
+        )
     },
     # Authoritative outcomes resolve every unresolved state, and win a cancel race.
     **{(s, E.SUCCEEDED): S.SUCCEEDED for s in (*_UNRESOLVED, S.CANCELLING)},

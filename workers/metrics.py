@@ -11,10 +11,14 @@ OUTBOX_PENDING: Final = Gauge(
     "custody_outbox_pending_rows", "Outbox rows not yet confirmed by the broker", ["owner"]
 )
 OUTBOX_OLDEST_AGE: Final = Gauge(
-    "custody_outbox_oldest_pending_age_seconds", "Age of the oldest unconfirmed outbox row", ["owner"]
+    "custody_outbox_oldest_pending_age_seconds",
+    "Age of the oldest unconfirmed outbox row",
+    ["owner"],
 )
 PUBLISHED: Final = Counter(
-    "custody_outbox_published_total", "Outbox rows marked published after a broker confirm", ["owner"]
+    "custody_outbox_published_total",
+    "Outbox rows marked published after a broker confirm",
+    ["owner"],
 )
 PUBLISH_FAILURES: Final = Counter(
     "custody_outbox_publish_failures_total",
@@ -39,9 +43,7 @@ REDELIVERIES: Final = Counter(
 TRANSITIONS: Final = Counter(
     "custody_transitions_total", "Workflow transitions committed", ["kind"]
 )
-OPERATIONS: Final = Gauge(
-    "custody_operations", "Operations by status (sampled)", ["status"]
-)
+OPERATIONS: Final = Gauge("custody_operations", "Operations by status (sampled)", ["status"])
 LEASE_LOSSES: Final = Counter(
     "custody_lease_losses_total", "Times a worker found its lease expired or fenced", ["worker"]
 )
@@ -56,12 +58,16 @@ PARTICIPANT_COMMANDS: Final = Counter(
     ["owner", "decision"],
 )
 UNIT_FAILURES: Final = Counter(
-    "custody_unit_failures_total", "Units of work that failed and will be redone", ["worker", "kind"]
+    "custody_unit_failures_total",
+    "Units of work that failed and will be redone",
+    ["worker", "kind"],
 )
 
 
 def quarantined(source: str, reason: str) -> None:
     QUARANTINED.labels(source, reason).inc()
+
+
 ROUTE_DRIFT: Final = Counter(
     "custody_route_drift_total",
     "Successor activations whose pinned route differs from the current routes file",

@@ -46,14 +46,16 @@ class _Refused(Exception):
 
 
 class Operator:
-    def __init__(self, database: db.Database, roles: authz.Roles | None,
-                 lease: db.Lease | None = None) -> None:
+    def __init__(
+        self, database: db.Database, roles: authz.Roles | None, lease: db.Lease | None = None
+    ) -> None:
         self.db = database
         self.roles = roles
         self.lease = lease
 
-    async def _run(self, actor: str, action: str, target: str, reason: str,
-                   inputs: dict[str, Any], body: Any) -> Outcome:
+    async def _run(
+        self, actor: str, action: str, target: str, reason: str, inputs: dict[str, Any], body: Any
+    ) -> Outcome:
         try:
             async with self.db.transaction(self.lease) as tx:
                 message, tenant, data = await body(tx)
@@ -62,8 +64,16 @@ class Operator:
         except _Refused as refused:
             if actor != POLICY:
                 async with self.db.transaction() as tx:
-                    await _audit(tx, actor, action, refused.tenant, target, reason,
-                                 {**inputs, "refusal": refused.message}, refused.result.value)
+                    await _audit(
+                        tx,
+                        actor,
+                        action,
+                        refused.tenant,
+                        target,
+                        reason,
+                        {**inputs, "refusal": refused.message},
+                        refused.result.value,
+                    )
             return Outcome(refused.result, refused.message)
 
     def _authorize(self, actor: str, action: str, tenant: str | None, reason: str) -> None:
@@ -75,8 +85,9 @@ class Operator:
         if why is not None:
             raise _Refused(Result.REFUSED, why, tenant)
 
-    async def _operation(self, tx: db.Tx, op_id: str, actor: str, action: str,
-                         reason: str) -> dict[str, Any]:
+    async def _operation(
+        self, tx: db.Tx, op_id: str, actor: str, action: str, reason: str
+    ) -> dict[str, Any]:
         row = await tx.one("operation_for_update", {"id": op_id}) if _is_uuid(op_id) else None
         if row is None:
             raise _Refused(Result.NOT_FOUND, f"no operation {op_id}")
@@ -92,23 +103,38 @@ class Operator:
             try:
                 target = lifecycle.next_status(status, lifecycle.Event.RECONCILE)
             except lifecycle.IllegalTransition:
-                raise _Refused(Result.REFUSED, f"reconcile needs outcome_unknown; operation "
-                               f"{op_id} is {status.value}", row["tenant"]) from None
-            count = await tx.one("queries_issued", {"id": op_id, "attempt": row["attempt"],
-                                                    "kind": "query"})
-            rows = adapter.query(adapter.Pinned.from_row(row), sequence=int(count["n"]) + 1
-                                 if count else 1)
+                raise _Refused(
+                    Result.REFUSED,
+                    f"reconcile needs outcome_unknown; operation {op_id} is {status.value}",
+                    row["tenant"],
+                ) from None
+            count = await tx.one(
+                "queries_issued", {"id": op_id, "attempt": row["attempt"], "kind": "query"}
+            )
+            rows = adapter.query(
+                adapter.Pinned.from_row(row), sequence=int(count["n"]) + 1 if count else 1
+            )
             if await tx.run("operation_reconcile", {"id": op_id, "expected": status.value}) != 1:
                 raise RuntimeError("operation changed under its row lock")
             await tx.run("attempt_insert", rows.attempt_row)
             await tx.run("outbox_insert", rows.outbox_row)
-            await _history(tx, row, f"operation.{target}", actor,
-                           {"from": status.value, "query_request_id": rows.request_id,
-                            "reason": reason})
-            return (f"operation {op_id} is reconcile_pending; query {rows.request_id} sent to "
-                    f"{row['owner']} on {row['binding']}", row["tenant"],
-                    {"operation_id": op_id, "status": "reconcile_pending",
-                     "query_request_id": rows.request_id})
+            await _history(
+                tx,
+                row,
+                f"operation.{target}",
+                actor,
+                {"from": status.value, "query_request_id": rows.request_id, "reason": reason},
+            )
+            return (
+                f"operation {op_id} is reconcile_pending; query {rows.request_id} sent to "
+                f"{row['owner']} on {row['binding']}",
+                row["tenant"],
+                {
+                    "operation_id": op_id,
+                    "status": "reconcile_pending",
+                    "query_request_id": rows.request_id,
+                },
+            )
 
         return await self._run(actor, "reconcile", op_id, reason, {"operation_id": op_id}, body)
 
@@ -120,75 +146,135 @@ class Operator:
             status = lifecycle.Status(row["status"])
             effect = lifecycle.Effect(row["effect"])
             if status is not lifecycle.Status.RETRY_WAITING or effect is not lifecycle.Effect.NONE:
-                raise _Refused(Result.REFUSED,
-                               f"retry-safe needs retry_waiting with effect none established by "
-                               f"a validated receipt; operation {op_id} is {status.value} with "
-                               f"effect {effect.value}", row["tenant"])
+                raise _Refused(
+                    Result.REFUSED,
+                    f"retry-safe needs retry_waiting with effect none established by "
+                    f"a validated receipt; operation {op_id} is {status.value} with "
+                    f"effect {effect.value}",
+                    row["tenant"],
+                )
             rows = await new_attempt(tx, row, actor, reason)
-            return (f"operation {op_id} attempt {row['attempt'] + 1} dispatched as "
-                    f"{rows.request_id}", row["tenant"],
-                    {"operation_id": op_id, "attempt": row["attempt"] + 1,
-                     "request_id": rows.request_id})
+            return (
+                f"operation {op_id} attempt {row['attempt'] + 1} dispatched as {rows.request_id}",
+                row["tenant"],
+                {
+                    "operation_id": op_id,
+                    "attempt": row["attempt"] + 1,
+                    "request_id": rows.request_id,
+                },
+            )
 
         return await self._run(actor, "retry-safe", op_id, reason, {"operation_id": op_id}, body)
 
-    async def set_paused(self, actor: str, paused: bool, reason: str,
-                         instance_id: str | None = None) -> Outcome:
+    async def set_paused(
+        self, actor: str, paused: bool, reason: str, instance_id: str | None = None
+    ) -> Outcome:
         action = "pause" if paused else "resume"
 
         async def body(tx: db.Tx) -> tuple[str, str | None, dict[str, Any]]:
             if instance_id is None:
                 self._authorize(actor, action, None, reason)
                 await tx.run("control_set_paused", {"paused": paused})
-                return (f"effect dispatch {'paused' if paused else 'resumed'} globally", None,
-                        {"dispatch_paused": paused})
-            inst = await tx.one("instance_get", {"id": instance_id}) if _is_uuid(instance_id) else None
+                return (
+                    f"effect dispatch {'paused' if paused else 'resumed'} globally",
+                    None,
+                    {"dispatch_paused": paused},
+                )
+            inst = (
+                await tx.one("instance_get", {"id": instance_id}) if _is_uuid(instance_id) else None
+            )
             if inst is None:
                 raise _Refused(Result.NOT_FOUND, f"no instance {instance_id}")
             self._authorize(actor, action, inst["tenant"], reason)
             await tx.run("instance_set_paused", {"id": instance_id, "paused": paused})
-            await tx.run("history_insert", {
-                "instance_id": instance_id, "operation_id": None,
-                "event": f"dispatch.{'paused' if paused else 'resumed'}",
-                "detail": db.jsonb({"reason": reason}), "actor": actor})
-            return (f"effect dispatch {'paused' if paused else 'resumed'} for instance "
-                    f"{instance_id}", inst["tenant"],
-                    {"instance_id": instance_id, "dispatch_paused": paused})
+            await tx.run(
+                "history_insert",
+                {
+                    "instance_id": instance_id,
+                    "operation_id": None,
+                    "event": f"dispatch.{'paused' if paused else 'resumed'}",
+                    "detail": db.jsonb({"reason": reason}),
+                    "actor": actor,
+                },
+            )
+            return (
+                f"effect dispatch {'paused' if paused else 'resumed'} for instance {instance_id}",
+                inst["tenant"],
+                {"instance_id": instance_id, "dispatch_paused": paused},
+            )
 
-        return await self._run(actor, action, instance_id or "*", reason,
-                               {"instance_id": instance_id}, body)
+        return await self._run(
+            actor, action, instance_id or "*", reason, {"instance_id": instance_id}, body
+        )
 
 
-async def new_attempt(tx: db.Tx, row: dict[str, Any], actor: str,
-                      reason: str) -> adapter.CommandRows:
+async def new_attempt(
+    tx: db.Tx, row: dict[str, Any], actor: str, reason: str
+) -> adapter.CommandRows:
     """Attempt n+1 of the same operation and input: a new command identity."""
     attempt = int(row["attempt"]) + 1
     rows = adapter.submit(adapter.Pinned.from_row(row, attempt=attempt))
-    changed = await tx.run("operation_new_attempt",
-                           {"id": row["id"], "attempt": attempt, "digest": rows.digest})
+    changed = await tx.run(
+        "operation_new_attempt", {"id": row["id"], "attempt": attempt, "digest": rows.digest}
+    )
     if changed != 1:
         raise RuntimeError("operation changed under its row lock")
     await tx.run("attempt_insert", rows.attempt_row)
     await tx.run("outbox_insert", rows.outbox_row)
-    await _history(tx, row, "operation.pending", actor,
-                   {"from": "retry_waiting", "attempt": attempt, "request_id": rows.request_id,
-                    "reason": reason})
+    await _history(
+        tx,
+        row,
+        "operation.pending",
+        actor,
+        {
+            "from": "retry_waiting",
+            "attempt": attempt,
+            "request_id": rows.request_id,
+            "reason": reason,
+        },
+    )
     return rows
 
 
-async def _history(tx: db.Tx, row: dict[str, Any], event: str, actor: str,
-                   detail: dict[str, Any]) -> None:
-    await tx.run("history_insert", {"instance_id": row["instance_id"], "operation_id": row["id"],
-                                    "event": event, "detail": db.jsonb(detail), "actor": actor})
+async def _history(
+    tx: db.Tx, row: dict[str, Any], event: str, actor: str, detail: dict[str, Any]
+) -> None:
+    await tx.run(
+        "history_insert",
+        {
+            "instance_id": row["instance_id"],
+            "operation_id": row["id"],
+            "event": event,
+            "detail": db.jsonb(detail),
+            "actor": actor,
+        },
+    )
 
 
-async def _audit(tx: db.Tx, actor: str, action: str, tenant: str | None, target: str,
-                 reason: str, inputs: dict[str, Any], outcome: str) -> None:
+async def _audit(
+    tx: db.Tx,
+    actor: str,
+    action: str,
+    tenant: str | None,
+    target: str,
+    reason: str,
+    inputs: dict[str, Any],
+    outcome: str,
+) -> None:
     if actor == POLICY:
         return
-    await tx.run("audit_insert", {"actor": actor, "action": action, "tenant": tenant,
-                                  "target": target, "reason": reason, "inputs": db.jsonb(inputs),
-                                  "outcome": outcome})
+    await tx.run(
+        "audit_insert",
+        {
+            "actor": actor,
+            "action": action,
+            "tenant": tenant,
+            "target": target,
+            "reason": reason,
+            "inputs": db.jsonb(inputs),
+            "outcome": outcome,
+        },
+    )
 
 
 def _is_uuid(value: str) -> bool:

@@ -74,30 +74,56 @@ class Identity:
     bindings: frozenset[str]
 
 
-def _receipt(cmd: Mapping[str, Any], me: Identity, *, status: str, effect: str, revision: int,
-             in_reply_to: str, digest: str, result: Mapping[str, Any] | None = None,
-             error: ReceiptError | None = None) -> OperationReceipt:
+def _receipt(
+    cmd: Mapping[str, Any],
+    me: Identity,
+    *,
+    status: str,
+    effect: str,
+    revision: int,
+    in_reply_to: str,
+    digest: str,
+    result: Mapping[str, Any] | None = None,
+    error: ReceiptError | None = None,
+) -> OperationReceipt:
     return OperationReceipt(
         receipt_id=identity.receipt_id(cmd["request_id"], revision),
-        tenant=cmd["tenant"], operation_id=cmd["operation_id"], attempt=cmd["attempt"],
-        request_id=cmd["request_id"], in_reply_to=in_reply_to, owner=me.owner,
-        principal=me.principal, command_digest=digest, owner_revision=revision,
+        tenant=cmd["tenant"],
+        operation_id=cmd["operation_id"],
+        attempt=cmd["attempt"],
+        request_id=cmd["request_id"],
+        in_reply_to=in_reply_to,
+        owner=me.owner,
+        principal=me.principal,
+        command_digest=digest,
+        owner_revision=revision,
         status=status,  # type: ignore[arg-type]
         effect=effect,  # type: ignore[arg-type]
-        result=dict(result) if result is not None else None, error=error,
+        result=dict(result) if result is not None else None,
+        error=error,
         emitted_at=datetime.now(UTC),
     )
 
 
 def _outbox_row(message_id: str, body: bytes, operation_id: str) -> dict[str, Any]:
-    return {"id": message_id, "exchange": broker.EXCHANGE_RECEIPTS,
-            "routing_key": broker.RECEIPTS_KEY, "body": body, "headers": db.jsonb({}),
-            "operation_id": operation_id}
+    return {
+        "id": message_id,
+        "exchange": broker.EXCHANGE_RECEIPTS,
+        "routing_key": broker.RECEIPTS_KEY,
+        "body": body,
+        "headers": db.jsonb({}),
+        "operation_id": operation_id,
+    }
 
 
 class Participant:
-    def __init__(self, me: Identity, handlers: Mapping[str, Handler], settings: Settings,
-                 database: db.Database) -> None:
+    def __init__(
+        self,
+        me: Identity,
+        handlers: Mapping[str, Handler],
+        settings: Settings,
+        database: db.Database,
+    ) -> None:
         self.me = me
         self.handlers = dict(handlers)
         self.settings = settings
@@ -117,7 +143,9 @@ class Participant:
             commands: list[tuple[broker.Delivery, Any]] = []
             for d in deliveries:
                 try:
-                    commands.append((d, codec.decode_command(d.body, self.settings.max_message_bytes)))
+                    commands.append(
+                        (d, codec.decode_command(d.body, self.settings.max_message_bytes))
+                    )
                 except codec.DecodeError as exc:
                     refused.append(_refused(d, exc.reason, exc.detail))
                     commands.append((d, None))
@@ -151,44 +179,82 @@ class Participant:
                     continue
                 if known_digest is None:
                     handler_known = c.operation in self.handlers
-                    fresh.append((c, "accepted" if handler_known else "rejected",
-                                  "" if handler_known else "unknown_operation"))
+                    fresh.append(
+                        (
+                            c,
+                            "accepted" if handler_known else "rejected",
+                            "" if handler_known else "unknown_operation",
+                        )
+                    )
                     batch_seen[c.request_id] = c.digest
                     decisions.append("accepted" if handler_known else "rejected")
                 elif known_digest == c.digest:
                     reemit.append(c.request_id)
                     decisions.append("duplicate")
                 else:
-                    conflicts.append({"request_id": c.request_id, "stored_digest": known_digest,
-                                      "received_digest": c.digest,
-                                      "command": db.jsonb(c.model_dump(mode="json"))})
+                    conflicts.append(
+                        {
+                            "request_id": c.request_id,
+                            "stored_digest": known_digest,
+                            "received_digest": c.digest,
+                            "command": db.jsonb(c.model_dump(mode="json")),
+                        }
+                    )
                     revision = int(known["owner_revision"]) if known else 1
                     answer = _receipt(
-                        _cmd(c), self.me, status="rejected", effect="none", revision=revision,
-                        in_reply_to=c.request_id, digest=c.digest,
-                        error=ReceiptError(code="digest_conflict",
-                                           message="this identity holds a command with another digest"))
-                    conflict_answers.append(answer.model_copy(update={
-                        "receipt_id": identity.conflict_receipt_id(c.request_id, c.digest)}))
+                        _cmd(c),
+                        self.me,
+                        status="rejected",
+                        effect="none",
+                        revision=revision,
+                        in_reply_to=c.request_id,
+                        digest=c.digest,
+                        error=ReceiptError(
+                            code="digest_conflict",
+                            message="this identity holds a command with another digest",
+                        ),
+                    )
+                    conflict_answers.append(
+                        answer.model_copy(
+                            update={
+                                "receipt_id": identity.conflict_receipt_id(c.request_id, c.digest)
+                            }
+                        )
+                    )
                     decisions.append("conflict")
             for c, status, code in fresh:
-                receipts.append(_receipt(
-                    _cmd(c), self.me, status=status, effect="none", revision=1,
-                    in_reply_to=c.request_id, digest=c.digest,
-                    error=ReceiptError(code=code, message=f"no handler for {c.operation}") if code else None))
+                receipts.append(
+                    _receipt(
+                        _cmd(c),
+                        self.me,
+                        status=status,
+                        effect="none",
+                        revision=1,
+                        in_reply_to=c.request_id,
+                        digest=c.digest,
+                        error=ReceiptError(code=code, message=f"no handler for {c.operation}")
+                        if code
+                        else None,
+                    )
+                )
             if fresh:
-                await tx.rows("p_inbox_accept", {
-                    "request_id": [c.request_id for c, _, _ in fresh],
-                    "tenant": [c.tenant for c, _, _ in fresh],
-                    "operation_id": [c.operation_id for c, _, _ in fresh],
-                    "attempt": [c.attempt for c, _, _ in fresh],
-                    "operation": [c.operation for c, _, _ in fresh],
-                    "digest": [c.digest for c, _, _ in fresh],
-                    "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c, _, _ in fresh],
-                    "status": [s for _, s, _ in fresh],
-                    "effect": ["none" for _ in fresh],
-                    "owner_revision": [1 for _ in fresh],
-                })
+                await tx.rows(
+                    "p_inbox_accept",
+                    {
+                        "request_id": [c.request_id for c, _, _ in fresh],
+                        "tenant": [c.tenant for c, _, _ in fresh],
+                        "operation_id": [c.operation_id for c, _, _ in fresh],
+                        "attempt": [c.attempt for c, _, _ in fresh],
+                        "operation": [c.operation for c, _, _ in fresh],
+                        "digest": [c.digest for c, _, _ in fresh],
+                        "command": [
+                            orjson.dumps(c.model_dump(mode="json")).decode() for c, _, _ in fresh
+                        ],
+                        "status": [s for _, s, _ in fresh],
+                        "effect": ["none" for _ in fresh],
+                        "owner_revision": [1 for _ in fresh],
+                    },
+                )
             answers = await self._answers(tx, queries)
             await self._emit(tx, receipts, answers, unjournaled=conflict_answers)
             await tx.run("p_reemit_latest", {"ids": reemit})
@@ -211,29 +277,57 @@ class Participant:
     async def _answers(self, tx: db.Tx, queries: Sequence[QueryCommand]) -> list[QueryAnswer]:
         if not queries:
             return []
-        latest = {r["request_id"]: r for r in await tx.rows(
-            "p_latest_receipts", {"ids": list({q.submit_request_id for q in queries})})}
+        latest = {
+            r["request_id"]: r
+            for r in await tx.rows(
+                "p_latest_receipts", {"ids": list({q.submit_request_id for q in queries})}
+            )
+        }
         answers = []
         for q in queries:
             row = latest.get(q.submit_request_id)
             receipt = codec.decode_receipt(bytes(row["body"])) if row else None
             if receipt is not None and receipt.command_digest != q.digest:
                 receipt = None  # our receipt is about other work: not an answer to this
-            answers.append(QueryAnswer(
-                answer_id=identity.answer_id(q.request_id, receipt.owner_revision if receipt else 0),
-                tenant=q.tenant, operation_id=q.operation_id, attempt=q.attempt,
-                request_id=q.submit_request_id, in_reply_to=q.request_id, owner=self.me.owner,
-                principal=self.me.principal, receipt=receipt, emitted_at=datetime.now(UTC)))
+            answers.append(
+                QueryAnswer(
+                    answer_id=identity.answer_id(
+                        q.request_id, receipt.owner_revision if receipt else 0
+                    ),
+                    tenant=q.tenant,
+                    operation_id=q.operation_id,
+                    attempt=q.attempt,
+                    request_id=q.submit_request_id,
+                    in_reply_to=q.request_id,
+                    owner=self.me.owner,
+                    principal=self.me.principal,
+                    receipt=receipt,
+                    emitted_at=datetime.now(UTC),
+                )
+            )
         return answers
 
-    async def _emit(self, tx: db.Tx, receipts: Sequence[OperationReceipt],
-                    answers: Sequence[QueryAnswer] = (),
-                    unjournaled: Sequence[OperationReceipt] = ()) -> None:
+    async def _emit(
+        self,
+        tx: db.Tx,
+        receipts: Sequence[OperationReceipt],
+        answers: Sequence[QueryAnswer] = (),
+        unjournaled: Sequence[OperationReceipt] = (),
+    ) -> None:
         """Journal our receipts (they answer later queries) and queue everything we say."""
         bodies = [(r, codec.encode(r)) for r in receipts]
-        await tx.run_many("p_receipt_insert", [
-            {"receipt_id": r.receipt_id, "request_id": r.request_id,
-             "owner_revision": r.owner_revision, "body": b} for r, b in bodies])
+        await tx.run_many(
+            "p_receipt_insert",
+            [
+                {
+                    "receipt_id": r.receipt_id,
+                    "request_id": r.request_id,
+                    "owner_revision": r.owner_revision,
+                    "body": b,
+                }
+                for r, b in bodies
+            ],
+        )
         rows = [_outbox_row(r.receipt_id, b, r.operation_id) for r, b in bodies]
         rows += [_outbox_row(r.receipt_id, codec.encode(r), r.operation_id) for r in unjournaled]
         rows += [_outbox_row(a.answer_id, codec.encode(a), a.operation_id) for a in answers]
@@ -254,9 +348,15 @@ class Participant:
 
     async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:
         command = row["command"]
-        call = Call(tx=tx, tenant=row["tenant"], operation_id=row["operation_id"],
-                    request_id=row["request_id"], attempt=row["attempt"],
-                    operation=row["operation"], input=command["input"])
+        call = Call(
+            tx=tx,
+            tenant=row["tenant"],
+            operation_id=row["operation_id"],
+            request_id=row["request_id"],
+            attempt=row["attempt"],
+            operation=row["operation"],
+            input=command["input"],
+        )
         handler = self.handlers[row["operation"]]
         revision = int(row["owner_revision"]) + 1
         result: Mapping[str, Any] | None = None
@@ -271,36 +371,73 @@ class Participant:
             error = ReceiptError(code=exc.code, message=exc.message[:2000])
         except Exception as exc:  # a handler bug: its savepoint rolled back, so no effect
             if row["executions"] + 1 < MAX_EXECUTIONS:
-                runtime.event("participant.handler_error", logging.WARNING, owner=self.me.owner,
-                              request_id=row["request_id"], error=repr(exc)[:300])
-                await tx.run("p_exec_defer", {"request_id": row["request_id"],
-                                              "delay": backoff_seconds(row["executions"], base=1)})
+                runtime.event(
+                    "participant.handler_error",
+                    logging.WARNING,
+                    owner=self.me.owner,
+                    request_id=row["request_id"],
+                    error=repr(exc)[:300],
+                )
+                await tx.run(
+                    "p_exec_defer",
+                    {
+                        "request_id": row["request_id"],
+                        "delay": backoff_seconds(row["executions"], base=1),
+                    },
+                )
                 return None
             status, effect = "failed", "none"
             error = ReceiptError(code="handler_error", message=repr(exc)[:2000])
-        await tx.run("p_exec_complete", {
-            "request_id": row["request_id"], "status": status, "effect": effect,
-            "owner_revision": revision, "result": db.jsonb(result) if result is not None else None,
-            "error": db.jsonb(error.model_dump()) if error else None})
-        return _receipt(row, self.me, status=status, effect=effect, revision=revision,
-                        in_reply_to=row["request_id"], digest=row["digest"], result=result,
-                        error=error)
+        await tx.run(
+            "p_exec_complete",
+            {
+                "request_id": row["request_id"],
+                "status": status,
+                "effect": effect,
+                "owner_revision": revision,
+                "result": db.jsonb(result) if result is not None else None,
+                "error": db.jsonb(error.model_dump()) if error else None,
+            },
+        )
+        return _receipt(
+            row,
+            self.me,
+            status=status,
+            effect=effect,
+            revision=revision,
+            in_reply_to=row["request_id"],
+            digest=row["digest"],
+            result=result,
+            error=error,
+        )
 
 
 def _cmd(c: SubmitCommand) -> dict[str, Any]:
-    return {"request_id": c.request_id, "tenant": c.tenant, "operation_id": c.operation_id,
-            "attempt": c.attempt}
+    return {
+        "request_id": c.request_id,
+        "tenant": c.tenant,
+        "operation_id": c.operation_id,
+        "attempt": c.attempt,
+    }
 
 
 def _refused(d: broker.Delivery, reason: str, detail: str) -> dict[str, Any]:
     return {"reason": reason, "detail": detail[:2000], "message_id": d.message_id, "body": d.body}
 
 
-async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Settings,
-                stop: runtime.Stop, health: runtime.Health, *, schema: str) -> None:
+async def serve(
+    me: Identity,
+    handlers: Mapping[str, Handler],
+    settings: Settings,
+    stop: runtime.Stop,
+    health: runtime.Health,
+    *,
+    schema: str,
+) -> None:
     """Run a participant: acceptance consumer, executor and receipt publisher."""
-    database = db.Database(settings.participant_database_url, schema=schema, name=me.owner,
-                           max_size=4)
+    database = db.Database(
+        settings.participant_database_url, schema=schema, name=me.owner, max_size=4
+    )
     amqp = broker.Broker(settings.amqp_url, me.owner)
     await database.open()
     await amqp.connect()
@@ -309,11 +446,18 @@ async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Setting
     exec_waker = runtime.Waker(settings.poll_interval_s)
     pub_waker = runtime.Waker(settings.poll_interval_s)
     pub = publisher.OutboxPublisher(
-        owner=me.owner, database=database, lease=None,
-        publisher=await amqp.publisher(window=settings.confirm_window,
-                                       timeout_s=settings.confirm_timeout_s,
-                                       user_id=me.principal),
-        batch_size=settings.batch_size, claim_ttl_s=settings.lease_ttl_s, engine=False)
+        owner=me.owner,
+        database=database,
+        lease=None,
+        publisher=await amqp.publisher(
+            window=settings.confirm_window,
+            timeout_s=settings.confirm_timeout_s,
+            user_id=me.principal,
+        ),
+        batch_size=settings.batch_size,
+        claim_ttl_s=settings.lease_ttl_s,
+        engine=False,
+    )
 
     async def nothing() -> None:
         return None
@@ -323,9 +467,16 @@ async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Setting
         pub_waker.kick()
 
     async def consume() -> None:
-        await consumer.run(amqp, [broker.command_queue(b) for b in sorted(me.bindings)],
-                           settings=settings, stop=stop, worker=me.owner, handle=part.accept,
-                           on_fenced=nothing, after_commit=kick)
+        await consumer.run(
+            amqp,
+            [broker.command_queue(b) for b in sorted(me.bindings)],
+            settings=settings,
+            stop=stop,
+            worker=me.owner,
+            handle=part.accept,
+            on_fenced=nothing,
+            after_commit=kick,
+        )
 
     async def execute() -> None:
         while not stop.requested:
@@ -336,8 +487,9 @@ async def serve(me: Identity, handlers: Mapping[str, Handler], settings: Setting
                 await exec_waker.wait()
 
     try:
-        await runtime.supervise(main=[consume(), execute(),
-                                      publisher.loop(pub, stop, pub_waker, nothing, me.owner)])
+        await runtime.supervise(
+            main=[consume(), execute(), publisher.loop(pub, stop, pub_waker, nothing, me.owner)]
+        )
     finally:
         await amqp.close()
         await database.close()

@@ -110,7 +110,12 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
     nodes: dict[str, Node] = {}
     for node_name, body in raw_nodes.items():
         unknown = set(body) - {
-            "route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds",
+            "route",
+            "operation",
+            "input",
+            "on_succeeded",
+            "on_failed",
+            "deadline_seconds",
             "retry",
         }
         if unknown:
@@ -123,8 +128,9 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
                 input=body.get("input", {}),
                 on_succeeded=body.get("on_succeeded", END_COMPLETED),
                 on_failed=body.get("on_failed", END_FAILED),
-                deadline_seconds=_positive_int(node_name, "deadline_seconds",
-                                               body.get("deadline_seconds", 60)),
+                deadline_seconds=_positive_int(
+                    node_name, "deadline_seconds", body.get("deadline_seconds", 60)
+                ),
                 retry=_retry(node_name, body.get("retry")),
             )
         except KeyError as exc:
@@ -137,9 +143,9 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
                 f"node {node_name!r}: route {node.route!r} does not serve {node.operation!r}"
             )
         nodes[node_name] = node
-    targets = {start} | {n.on_succeeded for n in nodes.values()} | {
-        n.on_failed for n in nodes.values()
-    }
+    targets = (
+        {start} | {n.on_succeeded for n in nodes.values()} | {n.on_failed for n in nodes.values()}
+    )
     for target in targets:
         if target not in nodes and target not in (END_COMPLETED, END_FAILED):
             raise DefinitionError(f"{name} v{version}: unknown node {target!r}")
@@ -159,13 +165,20 @@ def _retry(node: str, raw: Any) -> RetryPolicy | None:
         raise DefinitionError(f"node {node!r}: retry takes max_attempts, backoff_seconds, on")
     backoff = raw.get("backoff_seconds", 1.0)
     codes = raw.get("on", ())
-    if (isinstance(backoff, bool) or not isinstance(backoff, (int, float))
-            or not isinstance(codes, list) or not all(isinstance(c, str) for c in codes)):
-        raise DefinitionError(f"node {node!r}: retry.backoff_seconds is a number, retry.on a "
-                              "list of error codes")
-    policy = RetryPolicy(max_attempts=_positive_int(node, "retry.max_attempts",
-                                                    raw.get("max_attempts", 1)),
-                         backoff_seconds=float(backoff), on=frozenset(codes))
+    if (
+        isinstance(backoff, bool)
+        or not isinstance(backoff, (int, float))
+        or not isinstance(codes, list)
+        or not all(isinstance(c, str) for c in codes)
+    ):
+        raise DefinitionError(
+            f"node {node!r}: retry.backoff_seconds is a number, retry.on a list of error codes"
+        )
+    policy = RetryPolicy(
+        max_attempts=_positive_int(node, "retry.max_attempts", raw.get("max_attempts", 1)),
+        backoff_seconds=float(backoff),
+        on=frozenset(codes),
+    )
     if policy.backoff_seconds < 0 or not policy.on:
         raise DefinitionError(f"node {node!r}: retry needs max_attempts >= 1 and error codes")
     return policy

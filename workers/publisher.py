@@ -57,8 +57,9 @@ class OutboxPublisher:
         if not rows:
             return 0
         outgoing = [
-            broker.Outgoing(str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]),
-                            r["headers"] or {})
+            broker.Outgoing(
+                str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]), r["headers"] or {}
+            )
             for r in rows
         ]
         started = time.monotonic()
@@ -72,7 +73,9 @@ class OutboxPublisher:
         await self.mark(rows, outcomes)
         return len(rows)
 
-    async def mark(self, rows: Sequence[dict[str, Any]], outcomes: Sequence[broker.Outcome]) -> None:
+    async def mark(
+        self, rows: Sequence[dict[str, Any]], outcomes: Sequence[broker.Outcome]
+    ) -> None:
         by_id = {str(r["id"]): r for r in rows}
         ok = [o.message_id for o in outcomes if o.ok]
         failed = [o for o in outcomes if not o.ok]
@@ -80,21 +83,43 @@ class OutboxPublisher:
             marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
                 moved = await tx.rows("operations_dispatched", {"ids": [r["id"] for r in marked]})
-                await tx.run_many("history_insert", [
-                    {"instance_id": m["instance_id"], "operation_id": m["id"],
-                     "event": "operation.dispatched", "detail": db.jsonb({}), "actor": ACTOR}
-                    for m in moved])
-            await tx.run_many("outbox_release", [
-                {"id": o.message_id, "holder": self.holder, "error": o.error[:500],
-                 "delay": backoff_seconds(int(by_id[o.message_id]["publish_attempts"]))}
-                for o in failed])
+                await tx.run_many(
+                    "history_insert",
+                    [
+                        {
+                            "instance_id": m["instance_id"],
+                            "operation_id": m["id"],
+                            "event": "operation.dispatched",
+                            "detail": db.jsonb({}),
+                            "actor": ACTOR,
+                        }
+                        for m in moved
+                    ],
+                )
+            await tx.run_many(
+                "outbox_release",
+                [
+                    {
+                        "id": o.message_id,
+                        "holder": self.holder,
+                        "error": o.error[:500],
+                        "delay": backoff_seconds(int(by_id[o.message_id]["publish_attempts"])),
+                    }
+                    for o in failed
+                ],
+            )
         metrics.PUBLISHED.labels(self.owner).inc(len(marked))
         for o in failed:
             kind = o.error.split(":", 1)[0]
             metrics.PUBLISH_FAILURES.labels(self.owner, kind).inc()
         if failed:
-            runtime.event("outbox.publish_failed", logging.WARNING, owner=self.owner,
-                          failed=len(failed), first_error=failed[0].error[:300])
+            runtime.event(
+                "outbox.publish_failed",
+                logging.WARNING,
+                owner=self.owner,
+                failed=len(failed),
+                first_error=failed[0].error[:300],
+            )
 
     async def sample(self) -> None:
         async with self.db.transaction() as tx:
@@ -104,8 +129,9 @@ class OutboxPublisher:
             metrics.OUTBOX_OLDEST_AGE.labels(self.owner).set(row["oldest_age_s"])
 
 
-async def loop(pub: OutboxPublisher, stop: runtime.Stop, waker: runtime.Waker,
-               on_fenced: Any, worker: str) -> None:
+async def loop(
+    pub: OutboxPublisher, stop: runtime.Stop, waker: runtime.Waker, on_fenced: Any, worker: str
+) -> None:
     """Claim while there is work; otherwise wait for a NOTIFY or the poll interval."""
     last_sample = 0.0
     while not stop.requested:
@@ -122,11 +148,15 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
 
     async with engine.context(settings, ACTOR, health) as ctx:
         pub = OutboxPublisher(
-            owner="engine", database=ctx.db, lease=ctx.lease,
+            owner="engine",
+            database=ctx.db,
+            lease=ctx.lease,
             publisher=await ctx.broker.publisher(
-                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s,
-                user_id=None),
-            batch_size=settings.batch_size, claim_ttl_s=settings.lease_ttl_s, engine=True,
+                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s, user_id=None
+            ),
+            batch_size=settings.batch_size,
+            claim_ttl_s=settings.lease_ttl_s,
+            engine=True,
         )
         waker = runtime.Waker(settings.poll_interval_s)
         await runtime.supervise(

@@ -16,7 +16,18 @@ from typing import Any
 
 from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
-from workers import broker, consumer, db, engine, faults, lifecycle, metrics, process, runtime, validation
+from workers import (
+    broker,
+    consumer,
+    db,
+    engine,
+    faults,
+    lifecycle,
+    metrics,
+    process,
+    runtime,
+    validation,
+)
 from workers.config import Settings
 
 ACTOR = "receipts"
@@ -39,16 +50,26 @@ class _Writes:
 
 def _view(row: dict[str, Any]) -> validation.OperationView:
     return validation.OperationView(
-        id=str(row["id"]), tenant=row["tenant"], owner=row["owner"], principal=row["principal"],
-        attempt=row["attempt"], status=lifecycle.Status(row["status"]),
-        effect=lifecycle.Effect(row["effect"]), owner_revision=row["owner_revision"],
+        id=str(row["id"]),
+        tenant=row["tenant"],
+        owner=row["owner"],
+        principal=row["principal"],
+        attempt=row["attempt"],
+        status=lifecycle.Status(row["status"]),
+        effect=lifecycle.Effect(row["effect"]),
+        owner_revision=row["owner_revision"],
         receipt_hash=row["receipt_hash"],
     )
 
 
 class ReceiptConsumer:
-    def __init__(self, settings: Settings, database: db.Database, lease: db.Lease | None,
-                 catalog: process.Catalog) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        database: db.Database,
+        lease: db.Lease | None,
+        catalog: process.Catalog,
+    ) -> None:
         self.settings = settings
         self.db = database
         self.lease = lease
@@ -61,7 +82,9 @@ class ReceiptConsumer:
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
             try:
-                decoded.append((i, d, codec.decode_receipt(d.body, self.settings.max_message_bytes)))
+                decoded.append(
+                    (i, d, codec.decode_receipt(d.body, self.settings.max_message_bytes))
+                )
             except codec.DecodeError as exc:
                 w.quarantine.append(_quarantine(d, exc.reason, exc.detail))
                 verdict_of[i] = "quarantine"
@@ -70,11 +93,17 @@ class ReceiptConsumer:
             rows = {str(r["id"]): r for r in await tx.rows("operations_lock", {"ids": op_ids})}
             views = {k: _view(r) for k, r in rows.items()}
             request_ids = list({x for _, _, m in decoded for x in (m.request_id, m.in_reply_to)})
-            issued = {r["request_id"]: validation.IssuedRequest(**r)
-                      for r in await tx.rows("attempts_for", {"ids": request_ids})}
-            receipt_ids = [r.receipt_id for r in (_inner(m) for _, _, m in decoded) if r is not None]
-            seen = {r["receipt_id"]: r["content_hash"]
-                    for r in await tx.rows("receipts_seen", {"ids": receipt_ids})}
+            issued = {
+                r["request_id"]: validation.IssuedRequest(**r)
+                for r in await tx.rows("attempts_for", {"ids": request_ids})
+            }
+            receipt_ids = [
+                r.receipt_id for r in (_inner(m) for _, _, m in decoded) if r is not None
+            ]
+            seen = {
+                r["receipt_id"]: r["content_hash"]
+                for r in await tx.rows("receipts_seen", {"ids": receipt_ids})
+            }
             for i, d, message in decoded:
                 verdict_of[i] = self._one(d, message, views, rows, issued, seen, w)
             await tx.run_many("quarantine_insert", w.quarantine)
@@ -96,10 +125,16 @@ class ReceiptConsumer:
             metrics.END_TO_END.observe(seconds)
         return [verdict_of[i] for i in range(len(deliveries))]
 
-    def _one(self, d: broker.Delivery, message: OperationReceipt | QueryAnswer,
-             views: dict[str, validation.OperationView], rows: dict[str, dict[str, Any]],
-             issued: dict[str, validation.IssuedRequest], seen: dict[str, str],
-             w: _Writes) -> str:
+    def _one(
+        self,
+        d: broker.Delivery,
+        message: OperationReceipt | QueryAnswer,
+        views: dict[str, validation.OperationView],
+        rows: dict[str, dict[str, Any]],
+        issued: dict[str, validation.IssuedRequest],
+        seen: dict[str, str],
+        w: _Writes,
+    ) -> str:
         op = views.get(message.operation_id)
         answer: QueryAnswer | None = None
         if isinstance(message, QueryAnswer):
@@ -116,9 +151,13 @@ class ReceiptConsumer:
         else:
             receipt = message
         decision = validation.decide(
-            receipt, user_id=d.user_id, op=op, issued=issued,
+            receipt,
+            user_id=d.user_id,
+            op=op,
+            issued=issued,
             seen_hash=seen.get(receipt.receipt_id),
-            retryable=self._retryable(rows.get(receipt.operation_id), receipt))
+            retryable=self._retryable(rows.get(receipt.operation_id), receipt),
+        )
         w.verdicts.append(decision.verdict.value)
         if decision.verdict is validation.Verdict.QUARANTINE:
             w.quarantine.append(_quarantine(d, decision.reason, decision.detail, receipt))
@@ -129,28 +168,40 @@ class ReceiptConsumer:
                 return self._no_news(op, rows[op.id], w, "query answered: nothing newer")
             return "duplicate"
         seen[receipt.receipt_id] = decision.content_hash
-        w.records.append({
-            "receipt_id": receipt.receipt_id, "operation_id": receipt.operation_id,
-            "attempt": receipt.attempt, "owner_revision": receipt.owner_revision,
-            "status": receipt.status, "content_hash": decision.content_hash,
-            "decision": decision.verdict.value,
-        })
+        w.records.append(
+            {
+                "receipt_id": receipt.receipt_id,
+                "operation_id": receipt.operation_id,
+                "attempt": receipt.attempt,
+                "owner_revision": receipt.owner_revision,
+                "status": receipt.status,
+                "content_hash": decision.content_hash,
+                "decision": decision.verdict.value,
+            }
+        )
         if decision.verdict is not validation.Verdict.APPLY:
             if answer is not None:
                 return self._no_news(op, rows[op.id], w, f"query answered: {decision.verdict}")
             return decision.verdict.value
         assert decision.status is not None and decision.effect is not None
         if answer is not None and decision.status not in lifecycle.TERMINAL | {
-            lifecycle.Status.RETRY_WAITING, lifecycle.Status.OUTCOME_UNKNOWN
+            lifecycle.Status.RETRY_WAITING,
+            lifecycle.Status.OUTCOME_UNKNOWN,
         }:
             # the owner holds it but has not settled it: still no authoritative outcome
             return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
         self._apply(op, rows[op.id], receipt, decision, views, w)
         return "apply"
 
-    def _apply(self, op: validation.OperationView, row: dict[str, Any],
-               receipt: OperationReceipt, decision: validation.Decision,
-               views: dict[str, validation.OperationView], w: _Writes) -> None:
+    def _apply(
+        self,
+        op: validation.OperationView,
+        row: dict[str, Any],
+        receipt: OperationReceipt,
+        decision: validation.Decision,
+        views: dict[str, validation.OperationView],
+        w: _Writes,
+    ) -> None:
         assert decision.status is not None and decision.effect is not None
         terminal = decision.status in lifecycle.TERMINAL
         retry_at = None
@@ -158,25 +209,44 @@ class ReceiptConsumer:
             node = self._node(row)
             assert node.retry is not None
             retry_at = node.retry.delay(op.attempt)
-        w.updates.append({
-            "id": op.id, "expected": op.status.value, "status": decision.status.value,
-            "effect": decision.effect.value, "owner_revision": receipt.owner_revision,
-            "receipt_hash": decision.content_hash,
-            "result": db.jsonb(receipt.result) if receipt.result is not None else None,
-            "error": db.jsonb(receipt.error.model_dump()) if receipt.error else None,
-            "terminal": terminal, "retry_in": retry_at,
-        })
-        views[op.id] = replace(op, status=decision.status, effect=decision.effect,
-                               owner_revision=receipt.owner_revision,
-                               receipt_hash=decision.content_hash)
-        w.history.append({
-            "instance_id": row["instance_id"], "operation_id": op.id,
-            "event": f"operation.{decision.status.value}",
-            "detail": db.jsonb({"from": op.status.value, "owner_revision": receipt.owner_revision,
-                                "effect": decision.effect.value, "receipt_id": receipt.receipt_id,
-                                "attempt": receipt.attempt}),
-            "actor": ACTOR,
-        })
+        w.updates.append(
+            {
+                "id": op.id,
+                "expected": op.status.value,
+                "status": decision.status.value,
+                "effect": decision.effect.value,
+                "owner_revision": receipt.owner_revision,
+                "receipt_hash": decision.content_hash,
+                "result": db.jsonb(receipt.result) if receipt.result is not None else None,
+                "error": db.jsonb(receipt.error.model_dump()) if receipt.error else None,
+                "terminal": terminal,
+                "retry_in": retry_at,
+            }
+        )
+        views[op.id] = replace(
+            op,
+            status=decision.status,
+            effect=decision.effect,
+            owner_revision=receipt.owner_revision,
+            receipt_hash=decision.content_hash,
+        )
+        w.history.append(
+            {
+                "instance_id": row["instance_id"],
+                "operation_id": op.id,
+                "event": f"operation.{decision.status.value}",
+                "detail": db.jsonb(
+                    {
+                        "from": op.status.value,
+                        "owner_revision": receipt.owner_revision,
+                        "effect": decision.effect.value,
+                        "receipt_id": receipt.receipt_id,
+                        "attempt": receipt.attempt,
+                    }
+                ),
+                "actor": ACTOR,
+            }
+        )
         if decision.status is lifecycle.Status.OUTCOME_UNKNOWN:
             w.suspend.append({"id": row["instance_id"]})
         elif op.status in _UNKNOWN:
@@ -186,8 +256,14 @@ class ReceiptConsumer:
             w.nodes.append({"operation_id": op.id, "status": decision.status.value})
             nxt = self._successor(row, decision.status)
             if nxt is not None:
-                w.successors.append({"instance_id": row["instance_id"], "from_operation_id": op.id,
-                                     "outcome": decision.status.value, "next_node": nxt})
+                w.successors.append(
+                    {
+                        "instance_id": row["instance_id"],
+                        "from_operation_id": op.id,
+                        "outcome": decision.status.value,
+                        "next_node": nxt,
+                    }
+                )
 
     def _node(self, row: dict[str, Any]) -> process.Node:
         lineage = row["lineage"]
@@ -208,8 +284,9 @@ class ReceiptConsumer:
         definition = self.catalog.get(lineage["process"], lineage["process_version"])
         return definition.successor(row["node"], status.value)
 
-    def _no_news(self, op: validation.OperationView, row: dict[str, Any], w: _Writes,
-                 fact: str) -> str:
+    def _no_news(
+        self, op: validation.OperationView, row: dict[str, Any], w: _Writes, fact: str
+    ) -> str:
         """A query found no authoritative outcome. That proves nothing about the
         effect: the operation goes back to outcome_unknown, and the fact is recorded."""
         w.verdicts.append("no_news")
@@ -219,16 +296,29 @@ class ReceiptConsumer:
             return "ignored"
         if target is lifecycle.IGNORE:
             return "ignored"
-        w.updates.append({
-            "id": op.id, "expected": op.status.value, "status": target.value,
-            "effect": op.effect.value, "owner_revision": op.owner_revision,
-            "receipt_hash": op.receipt_hash, "result": None, "error": None, "terminal": False,
-            "retry_in": None,
-        })
-        w.history.append({"instance_id": row["instance_id"], "operation_id": op.id,
-                          "event": f"operation.{target.value}",
-                          "detail": db.jsonb({"from": op.status.value, "fact": fact}),
-                          "actor": ACTOR})
+        w.updates.append(
+            {
+                "id": op.id,
+                "expected": op.status.value,
+                "status": target.value,
+                "effect": op.effect.value,
+                "owner_revision": op.owner_revision,
+                "receipt_hash": op.receipt_hash,
+                "result": None,
+                "error": None,
+                "terminal": False,
+                "retry_in": None,
+            }
+        )
+        w.history.append(
+            {
+                "instance_id": row["instance_id"],
+                "operation_id": op.id,
+                "event": f"operation.{target.value}",
+                "detail": db.jsonb({"from": op.status.value, "fact": fact}),
+                "actor": ACTOR,
+            }
+        )
         return "apply"
 
 
@@ -239,9 +329,12 @@ def _inner(message: OperationReceipt | QueryAnswer) -> OperationReceipt | None:
     return message.receipt if isinstance(message, QueryAnswer) else message
 
 
-def _answer_refusal(answer: QueryAnswer, user_id: str | None,
-                    op: validation.OperationView | None,
-                    issued: dict[str, validation.IssuedRequest]) -> tuple[str, str] | None:
+def _answer_refusal(
+    answer: QueryAnswer,
+    user_id: str | None,
+    op: validation.OperationView | None,
+    issued: dict[str, validation.IssuedRequest],
+) -> tuple[str, str] | None:
     if op is not None and op.tenant != answer.tenant:
         return "wrong_tenant", "answer tenant is not the operation's"
     if not user_id or user_id != answer.principal:
@@ -258,11 +351,18 @@ def _answer_refusal(answer: QueryAnswer, user_id: str | None,
     return None
 
 
-def _quarantine(d: broker.Delivery, reason: str, detail: str,
-                message: OperationReceipt | QueryAnswer | None = None) -> dict[str, Any]:
+def _quarantine(
+    d: broker.Delivery,
+    reason: str,
+    detail: str,
+    message: OperationReceipt | QueryAnswer | None = None,
+) -> dict[str, Any]:
     return {
-        "source": broker.QUEUE_RECEIPTS, "reason": reason, "detail": detail[:2000],
-        "message_id": d.message_id, "user_id": d.user_id,
+        "source": broker.QUEUE_RECEIPTS,
+        "reason": reason,
+        "detail": detail[:2000],
+        "message_id": d.message_id,
+        "user_id": d.user_id,
         "tenant": message.tenant if message else None,
         "operation_id": message.operation_id if message else None,
         "body": d.body,
@@ -276,10 +376,14 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
         receipt_consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
 
         async def consume() -> None:
-            await consumer.run(ctx.broker, [broker.QUEUE_RECEIPTS], settings=settings, stop=stop,
-                               worker=ACTOR, handle=receipt_consumer.apply,
-                               on_fenced=ctx.reacquire)
+            await consumer.run(
+                ctx.broker,
+                [broker.QUEUE_RECEIPTS],
+                settings=settings,
+                stop=stop,
+                worker=ACTOR,
+                handle=receipt_consumer.apply,
+                on_fenced=ctx.reacquire,
+            )
 
         await runtime.supervise(main=[consume()], side=[ctx.heartbeat()])
-
-

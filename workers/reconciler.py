@@ -30,17 +30,28 @@ class Reconciler:
         async with self.db.transaction(self.lease) as tx:
             rows = await tx.rows("queries_overdue", {"limit": self.settings.batch_size})
             for row in rows:
-                target = lifecycle.next_status(lifecycle.Status.RECONCILE_PENDING,
-                                               lifecycle.Event.QUERY_TIMEOUT)
+                target = lifecycle.next_status(
+                    lifecycle.Status.RECONCILE_PENDING, lifecycle.Event.QUERY_TIMEOUT
+                )
                 assert isinstance(target, lifecycle.Status)
-                if await tx.run("operation_set_status", {"id": row["id"], "expected": row["status"],
-                                                         "status": target.value}) != 1:
+                if (
+                    await tx.run(
+                        "operation_set_status",
+                        {"id": row["id"], "expected": row["status"], "status": target.value},
+                    )
+                    != 1
+                ):
                     raise RuntimeError("an overdue operation changed under its row lock")
-                await tx.run("history_insert", {
-                    "instance_id": row["instance_id"], "operation_id": row["id"],
-                    "event": f"operation.{target.value}",
-                    "detail": db.jsonb({"from": row["status"], "cause": "query unanswered"}),
-                    "actor": ACTOR})
+                await tx.run(
+                    "history_insert",
+                    {
+                        "instance_id": row["instance_id"],
+                        "operation_id": row["id"],
+                        "event": f"operation.{target.value}",
+                        "detail": db.jsonb({"from": row["status"], "cause": "query unanswered"}),
+                        "actor": ACTOR,
+                    },
+                )
         return len(rows)
 
     async def retry_due(self) -> int:
@@ -49,8 +60,9 @@ class Reconciler:
             due = await tx.rows("retries_due", {"limit": self.settings.batch_size})
         done = 0
         for row in due:
-            outcome = await self.policy.retry_safe(operator.POLICY, str(row["id"]),
-                                                   "the node's retry policy")
+            outcome = await self.policy.retry_safe(
+                operator.POLICY, str(row["id"]), "the node's retry policy"
+            )
             done += outcome.result is operator.Result.DONE
         return done
 
@@ -59,11 +71,14 @@ class Reconciler:
         if self.settings.auto_reconcile_s <= 0:
             return 0
         async with self.db.transaction(self.lease) as tx:
-            due = await tx.rows("unknown_due", {"base": self.settings.auto_reconcile_s,
-                                                "limit": self.settings.batch_size})
+            due = await tx.rows(
+                "unknown_due",
+                {"base": self.settings.auto_reconcile_s, "limit": self.settings.batch_size},
+            )
         for row in due:
-            await self.policy.reconcile(operator.POLICY, str(row["id"]),
-                                        "automatic reconcile policy")
+            await self.policy.reconcile(
+                operator.POLICY, str(row["id"]), "automatic reconcile policy"
+            )
         return len(due)
 
     async def sweep_deadlines(self) -> int:
@@ -77,10 +92,15 @@ class Reconciler:
                 target = lifecycle.next_status(status, lifecycle.Event.DEADLINE)
                 assert isinstance(target, lifecycle.Status)
                 updates.append({"id": row["id"], "expected": status.value, "status": target.value})
-                history.append({"instance_id": row["instance_id"], "operation_id": row["id"],
-                                "event": f"operation.{target.value}",
-                                "detail": db.jsonb({"from": status.value, "cause": "deadline"}),
-                                "actor": ACTOR})
+                history.append(
+                    {
+                        "instance_id": row["instance_id"],
+                        "operation_id": row["id"],
+                        "event": f"operation.{target.value}",
+                        "detail": db.jsonb({"from": status.value, "cause": "deadline"}),
+                        "actor": ACTOR,
+                    }
+                )
             changed = await tx.run_many("operation_set_status", updates)
             if changed != len(updates):
                 raise RuntimeError("an overdue operation changed under its row lock")
@@ -106,10 +126,16 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
         async def deadlines() -> None:
             while not stop.requested:
                 n = 0
-                for sweep in (rec.sweep_deadlines, rec.sweep_queries, rec.retry_due,
-                              rec.reconcile_due):
-                    n = max(n, await runtime.redo(sweep, worker=ACTOR, stop=stop,
-                                                  on_fenced=ctx.reacquire))
+                for sweep in (
+                    rec.sweep_deadlines,
+                    rec.sweep_queries,
+                    rec.retry_due,
+                    rec.reconcile_due,
+                ):
+                    n = max(
+                        n,
+                        await runtime.redo(sweep, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire),
+                    )
                 await runtime.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
                 if n < settings.batch_size:
                     await stop.sleep(settings.poll_interval_s)

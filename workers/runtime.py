@@ -97,7 +97,8 @@ async def _serve_http(port: int, health: Health) -> asyncio.Server:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found"
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + body
+                "Connection: close\r\n\r\n".encode()
+                + body
             )
             await writer.drain()
         except (TimeoutError, ConnectionError, IndexError):
@@ -162,7 +163,9 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
         stopper.cancel()
         if server is not None:
             server.close()
-    event("worker.stopped", worker=name, exit_code=code, uptime_s=round(time.monotonic() - started, 3))
+    event(
+        "worker.stopped", worker=name, exit_code=code, uptime_s=round(time.monotonic() - started, 3)
+    )
     return code
 
 
@@ -268,8 +271,14 @@ async def redo(
             if exc.kind is errors.Retry.FATAL:
                 raise
             metrics.UNIT_FAILURES.labels(worker, exc.kind.value).inc()
-            event("unit.retry", logging.WARNING, worker=worker, kind=exc.kind.value,
-                  attempt=attempt + 1, error=str(exc)[:300])
+            event(
+                "unit.retry",
+                logging.WARNING,
+                worker=worker,
+                kind=exc.kind.value,
+                attempt=attempt + 1,
+                error=str(exc)[:300],
+            )
             if await stop.sleep(errors.backoff_seconds(attempt)):
                 raise
         attempt += 1

@@ -27,10 +27,23 @@ class Verdict(enum.StrEnum):
 
 
 REASONS: tuple[str, ...] = (
-    "oversized", "not_utf8", "malformed_json", "schema", "unknown_type",
-    "non_canonical_value", "receipt_id_reuse", "wrong_tenant", "missing_user_id",
-    "principal_mismatch", "wrong_owner", "unknown_operation", "unknown_request",
-    "digest_mismatch", "revision_conflict", "inconsistent_effect", "illegal_transition",
+    "oversized",
+    "not_utf8",
+    "malformed_json",
+    "schema",
+    "unknown_type",
+    "non_canonical_value",
+    "receipt_id_reuse",
+    "wrong_tenant",
+    "missing_user_id",
+    "principal_mismatch",
+    "wrong_owner",
+    "unknown_operation",
+    "unknown_request",
+    "digest_mismatch",
+    "revision_conflict",
+    "inconsistent_effect",
+    "illegal_transition",
     "restore_generation",
 )
 
@@ -102,7 +115,9 @@ def decide(
             return Decision(Verdict.DUPLICATE, "duplicate_receipt", content_hash=content_hash)
         return _quarantine("receipt_id_reuse", "a known receipt id with different content")
     if op is not None and op.tenant != receipt.tenant:
-        return _quarantine("wrong_tenant", f"receipt tenant {receipt.tenant!r} is not the operation's")
+        return _quarantine(
+            "wrong_tenant", f"receipt tenant {receipt.tenant!r} is not the operation's"
+        )
     if not user_id:
         return _quarantine("missing_user_id", "the delivery carries no broker-validated user id")
     if user_id != receipt.principal:
@@ -136,14 +151,15 @@ def decide(
             "inconsistent_effect", f"status {receipt.status} with effect {receipt.effect}"
         )
     if receipt.attempt < op.attempt or receipt.owner_revision < op.owner_revision:
-        return Decision(Verdict.STALE, "stale", "older attempt or owner revision", content_hash=content_hash)
+        return Decision(
+            Verdict.STALE, "stale", "older attempt or owner revision", content_hash=content_hash
+        )
     if receipt.owner_revision == op.owner_revision:
         if content_hash == op.receipt_hash:
             return Decision(Verdict.DUPLICATE, "duplicate_revision", content_hash=content_hash)
         return _quarantine("revision_conflict", "same owner revision with different content")
     error_code = receipt.error.code if receipt.error else None
-    event = lifecycle.receipt_event(receipt.status, receipt.effect, error_code,
-                                    retryable=retryable)
+    event = lifecycle.receipt_event(receipt.status, receipt.effect, error_code, retryable=retryable)
     try:
         target = lifecycle.next_status(op.status, event)
     except lifecycle.IllegalTransition as exc:

@@ -18,8 +18,12 @@ async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
 
 
 async def _finished(env: Env, n: int) -> bool:
-    return await env.scalar(
-        "SELECT count(*) FROM custody.instances WHERE status IN ('completed', 'failed')") >= n
+    return (
+        await env.scalar(
+            "SELECT count(*) FROM custody.instances WHERE status IN ('completed', 'failed')"
+        )
+        >= n
+    )
 
 
 async def test_instances_of_a_three_step_process_complete_with_each_effect_once(
@@ -32,17 +36,24 @@ async def test_instances_of_a_three_step_process_complete_with_each_effect_once(
     await publish_starts(env.settings, [order(i) for i in range(n)])
     await wait_until(lambda: _finished(env, n), timeout=60, what=f"{n} instances finished")
     fleet.check_alive()
-    assert await env.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'") == n
-    for table, schema in (("reservations", "inventory"), ("charges", "payments"),
-                          ("shipments", "shipping")):
+    assert (
+        await env.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'") == n
+    )
+    for table, schema in (
+        ("reservations", "inventory"),
+        ("charges", "payments"),
+        ("shipments", "shipping"),
+    ):
         rows = await env.sql(
             f"SELECT count(*), count(DISTINCT operation_id) FROM participant_{schema}.{table}",
-            participant=True)
+            participant=True,
+        )
         assert rows[0] == (n, n), f"{schema}.{table}: (rows, distinct operations) = {rows[0]}"
     # history: per instance, node activations in process order, each operation settled
     # after it was activated and dispatched
     events = await env.sql(
-        "SELECT instance_id, event, detail->>'node' FROM custody.history ORDER BY id")
+        "SELECT instance_id, event, detail->>'node' FROM custody.history ORDER BY id"
+    )
     by_instance: dict[object, list[tuple[str, str | None]]] = {}
     for iid, event, node in events:
         by_instance.setdefault(iid, []).append((event, node))

@@ -27,8 +27,18 @@ from tests.integration.test_participant import submit
 from workers import broker
 from workers.config import ROOT
 
-MALFORMED = [b"{", b"", b"null", b"[1, 2]", b"\xff\xfe\x00", b'{"type": "custody.', b"42",
-             b'{"a": NaN}', b"\"string\"", b"{}"]
+MALFORMED = [
+    b"{",
+    b"",
+    b"null",
+    b"[1, 2]",
+    b"\xff\xfe\x00",
+    b'{"type": "custody.',
+    b"42",
+    b'{"a": NaN}',
+    b'"string"',
+    b"{}",
+]
 
 
 def nested(depth: int) -> dict[str, Any]:
@@ -39,9 +49,17 @@ def nested(depth: int) -> dict[str, Any]:
 
 
 def start_body(**overrides: Any) -> bytes:
-    data = orjson.loads(codec.encode(StartRequest(
-        tenant="acme", start_request_id=str(uuid.uuid4()), process="order-fulfilment",
-        input=order(0), requested_by="hostile")))
+    data = orjson.loads(
+        codec.encode(
+            StartRequest(
+                tenant="acme",
+                start_request_id=str(uuid.uuid4()),
+                process="order-fulfilment",
+                input=order(0),
+                requested_by="hostile",
+            )
+        )
+    )
     data.update(overrides)
     return orjson.dumps(data)
 
@@ -60,11 +78,21 @@ def hostile_starts(real_start_id: str) -> list[bytes]:
 
 def receipt_body(op: dict[str, Any], **overrides: Any) -> bytes:
     data: dict[str, Any] = {
-        "type": "custody.receipt.v1", "receipt_id": str(uuid.uuid4()), "tenant": "acme",
-        "operation_id": op["id"], "attempt": 1, "request_id": op["request_id"],
-        "in_reply_to": op["request_id"], "owner": "inventory", "principal": "custody-inventory",
-        "command_digest": op["digest"], "owner_revision": 9, "status": "succeeded",
-        "effect": "applied", "result": {"forged": True}, "error": None,
+        "type": "custody.receipt.v1",
+        "receipt_id": str(uuid.uuid4()),
+        "tenant": "acme",
+        "operation_id": op["id"],
+        "attempt": 1,
+        "request_id": op["request_id"],
+        "in_reply_to": op["request_id"],
+        "owner": "inventory",
+        "principal": "custody-inventory",
+        "command_digest": op["digest"],
+        "owner_revision": 9,
+        "status": "succeeded",
+        "effect": "applied",
+        "result": {"forged": True},
+        "error": None,
         "emitted_at": datetime.now(UTC).isoformat(),
     }
     data.update(overrides)
@@ -82,11 +110,22 @@ def hostile_receipts(done: list[dict[str, Any]]) -> dict[str, list[bytes]]:
     as_inventory += [receipt_body(op, request_id=str(uuid.uuid4())) for op in ops]
     as_inventory += [receipt_body(op, command_digest="e" * 64) for op in ops]
     # replays of real receipt ids with changed content
-    as_inventory += [receipt_body(op, receipt_id=identity.receipt_id(op["request_id"], 2),
-                                  owner_revision=2) for op in ops]
+    as_inventory += [
+        receipt_body(op, receipt_id=identity.receipt_id(op["request_id"], 2), owner_revision=2)
+        for op in ops
+    ]
     # older revisions (new ids): recorded stale, never applied
-    stale = [receipt_body(op, owner_revision=1, status="failed", effect="none", result=None,
-                          error={"code": "late", "message": "old news"}) for op in ops]
+    stale = [
+        receipt_body(
+            op,
+            owner_revision=1,
+            status="failed",
+            effect="none",
+            result=None,
+            error={"code": "late", "message": "old news"},
+        )
+        for op in ops
+    ]
     forged = [receipt_body(op) for op in ops]  # claims inventory, published by payments
     unsigned = [receipt_body(op) for op in ops]  # published by guest without user_id
     return {"inventory": as_inventory, "stale": stale, "payments": forged, "guest": unsigned}
@@ -99,12 +138,27 @@ def hostile_commands(owner: str) -> list[bytes]:
     out = list(MALFORMED[:5])
     out += [orjson.dumps({**data, "input": {"blob": "z" * (300_000 + i)}}) for i in range(3)]
     out += [orjson.dumps({**data, "type": f"custody.command.submit.v{2 + i}"}) for i in range(3)]
-    out += [orjson.dumps({**data, "request_id": str(uuid.uuid4()),
-                          "target": {"route": "x", "owner": "mallory", "binding": binding}})
-            for _ in range(5)]
-    out += [orjson.dumps({**data, "request_id": str(uuid.uuid4()), "digest": "d" * 64,
-                          "target": {"route": owner, "owner": owner, "binding": binding}})
-            for _ in range(5)]
+    out += [
+        orjson.dumps(
+            {
+                **data,
+                "request_id": str(uuid.uuid4()),
+                "target": {"route": "x", "owner": "mallory", "binding": binding},
+            }
+        )
+        for _ in range(5)
+    ]
+    out += [
+        orjson.dumps(
+            {
+                **data,
+                "request_id": str(uuid.uuid4()),
+                "digest": "d" * 64,
+                "target": {"route": owner, "owner": owner, "binding": binding},
+            }
+        )
+        for _ in range(5)
+    ]
     out += [orjson.dumps({**data, "input": {"x": f"\u0000{i}"}}) for i in range(3)]
     return out  # 24
 
@@ -118,8 +172,13 @@ async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
 
 
 def _quarantine_metric() -> float:
-    return sum(s.value for m in REGISTRY.collect() if m.name == "custody_quarantined"
-               for s in m.samples if s.name == "custody_quarantined_total")
+    return sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == "custody_quarantined"
+        for s in m.samples
+        if s.name == "custody_quarantined_total"
+    )
 
 
 async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work_completes(
@@ -129,14 +188,20 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     first = await publish_starts(env.settings, [order(i) for i in range(30)])
 
     async def some_done() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.instances"
-                                " WHERE status = 'completed'") >= 10
+        return (
+            await env.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            >= 10
+        )
 
     await wait_until(some_done, timeout=60, what="the first instances to complete")
-    done = [dict(zip(("id", "request_id", "digest"), r, strict=True)) for r in await env.sql(
-        "SELECT o.id::text, a.request_id::text, o.digest FROM custody.operations o"
-        " JOIN custody.attempts a ON a.operation_id = o.id"
-        " WHERE o.node = 'reserve' AND o.status = 'succeeded' LIMIT 10")]
+    done = [
+        dict(zip(("id", "request_id", "digest"), r, strict=True))
+        for r in await env.sql(
+            "SELECT o.id::text, a.request_id::text, o.digest FROM custody.operations o"
+            " JOIN custody.attempts a ON a.operation_id = o.id"
+            " WHERE o.node = 'reserve' AND o.status = 'succeeded' LIMIT 10"
+        )
+    ]
     starts = hostile_starts(first[0])
     receipts = hostile_receipts(done)
     commands = {owner: hostile_commands(owner) for owner in ("inventory", "payments", "shipping")}
@@ -147,22 +212,38 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     await asyncio.gather(
         publish_starts(s, [order(i) for i in range(100, 130)]),  # real work, concurrently
         publish_raw(s, broker.EXCHANGE_REQUESTS, broker.START_KEY, starts),
-        publish_raw(env.participant_settings("inventory"), broker.EXCHANGE_RECEIPTS,
-                    broker.RECEIPTS_KEY, receipts["inventory"] + receipts["stale"],
-                    user_id="custody-inventory"),
-        publish_raw(env.participant_settings("payments"), broker.EXCHANGE_RECEIPTS,
-                    broker.RECEIPTS_KEY, receipts["payments"], user_id="custody-payments"),
+        publish_raw(
+            env.participant_settings("inventory"),
+            broker.EXCHANGE_RECEIPTS,
+            broker.RECEIPTS_KEY,
+            receipts["inventory"] + receipts["stale"],
+            user_id="custody-inventory",
+        ),
+        publish_raw(
+            env.participant_settings("payments"),
+            broker.EXCHANGE_RECEIPTS,
+            broker.RECEIPTS_KEY,
+            receipts["payments"],
+            user_id="custody-payments",
+        ),
         publish_raw(s, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, receipts["guest"]),
-        *(publish_raw(s, broker.EXCHANGE_COMMANDS, f"{owner}.v1", bodies)
-          for owner, bodies in commands.items()),
+        *(
+            publish_raw(s, broker.EXCHANGE_COMMANDS, f"{owner}.v1", bodies)
+            for owner, bodies in commands.items()
+        ),
     )
 
-    engine_expected = len(starts) + len(receipts["inventory"]) + len(receipts["payments"]) + len(
-        receipts["guest"])
+    engine_expected = (
+        len(starts)
+        + len(receipts["inventory"])
+        + len(receipts["payments"])
+        + len(receipts["guest"])
+    )
 
     async def settled() -> bool:
         completed = await env.scalar(
-            "SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            "SELECT count(*) FROM custody.instances WHERE status = 'completed'"
+        )
         quarantined = await env.scalar("SELECT count(*) FROM custody.quarantine")
         return completed == 60 and quarantined >= engine_expected
 
@@ -170,8 +251,10 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     fleet.check_alive()
 
     by_source = dict(await env.sql("SELECT source, count(*) FROM custody.quarantine GROUP BY 1"))
-    assert by_source == {broker.QUEUE_REQUESTS: len(starts),
-                         broker.QUEUE_RECEIPTS: engine_expected - len(starts)}
+    assert by_source == {
+        broker.QUEUE_REQUESTS: len(starts),
+        broker.QUEUE_RECEIPTS: engine_expected - len(starts),
+    }
     reasons = dict(await env.sql("SELECT reason, count(*) FROM custody.quarantine GROUP BY 1"))
     assert reasons["principal_mismatch"] == 10
     assert reasons["missing_user_id"] == 10
@@ -180,33 +263,54 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     assert reasons["receipt_id_reuse"] == 10
     assert reasons["start_conflict"] == 5
     assert reasons["unknown_process"] == 5
-    assert await env.scalar("SELECT count(*) FROM custody.receipt_inbox"
-                            " WHERE decision = 'stale'") == len(receipts["stale"])
+    assert await env.scalar(
+        "SELECT count(*) FROM custody.receipt_inbox WHERE decision = 'stale'"
+    ) == len(receipts["stale"])
     for owner, bodies in commands.items():
+
         async def refused(owner: str = owner, n: int = len(bodies)) -> bool:
-            return await env.scalar(f"SELECT count(*) FROM participant_{owner}.refused",
-                                    participant=True) == n
+            return (
+                await env.scalar(
+                    f"SELECT count(*) FROM participant_{owner}.refused", participant=True
+                )
+                == n
+            )
 
         await wait_until(refused, timeout=15, what=f"{owner}'s refusals recorded")
     depths = await broker.queue_depths(s.amqp_management_url, env.vhost)
     assert depths.get(broker.QUEUE_DEAD, 0) == 0
 
     # real work: exactly once, untouched by the corpus
-    assert await env.scalar("SELECT count(*) FROM custody.operations WHERE status <> 'succeeded'") == 0
-    for schema, table in (("inventory", "reservations"), ("payments", "charges"),
-                          ("shipping", "shipments")):
-        rows = await env.sql(f"SELECT count(*), count(DISTINCT operation_id)"
-                             f" FROM participant_{schema}.{table}", participant=True)
+    assert (
+        await env.scalar("SELECT count(*) FROM custody.operations WHERE status <> 'succeeded'") == 0
+    )
+    for schema, table in (
+        ("inventory", "reservations"),
+        ("payments", "charges"),
+        ("shipping", "shipments"),
+    ):
+        rows = await env.sql(
+            f"SELECT count(*), count(DISTINCT operation_id) FROM participant_{schema}.{table}",
+            participant=True,
+        )
         assert rows == [(60, 60)], f"{schema}.{table}"
-    forged = await env.scalar("SELECT count(*) FROM custody.operations"
-                              " WHERE result ? 'forged' OR owner_revision > 2")
+    forged = await env.scalar(
+        "SELECT count(*) FROM custody.operations WHERE result ? 'forged' OR owner_revision > 2"
+    )
     assert forged == 0
 
-    assert _quarantine_metric() - metric_before == engine_expected + sum(map(len, commands.values()))
+    assert _quarantine_metric() - metric_before == engine_expected + sum(
+        map(len, commands.values())
+    )
     listing = subprocess.run(
         [sys.executable, "-m", "workers.cli", "quarantine", "list", "--json", "--limit", "1000"],
-        cwd=ROOT, env={**os.environ, "CUSTODY_DATABASE_URL": s.database_url},
-        capture_output=True, text=True, check=True, timeout=60)
+        cwd=ROOT,
+        env={**os.environ, "CUSTODY_DATABASE_URL": s.database_url},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     rows = json.loads(listing.stdout)
     assert len(rows) == engine_expected
     assert all(r["reason"] and r["detail"] for r in rows)

@@ -19,13 +19,22 @@ def submit(**overrides: object) -> SubmitCommand:
     instance = str(uuid.uuid4())
     op = identity.operation_id("acme", instance, "reserve", 1)
     fields: dict[str, object] = {
-        "request_id": identity.request_id(op, 1, "submit"), "tenant": "acme",
-        "operation_id": op, "attempt": 1, "operation": "inventory.reserve",
+        "request_id": identity.request_id(op, 1, "submit"),
+        "tenant": "acme",
+        "operation_id": op,
+        "attempt": 1,
+        "operation": "inventory.reserve",
         "target": Target(route="inventory", owner="inventory", binding="inventory.v1"),
-        "digest": "0" * 64, "issued_at": datetime.now(UTC),
+        "digest": "0" * 64,
+        "issued_at": datetime.now(UTC),
         "input": {"order_id": "o-1", "sku": "sku-1", "quantity": 2},
-        "lineage": Lineage(instance_id=instance, process="order-fulfilment", process_version=1,
-                           node="reserve", activation=1),
+        "lineage": Lineage(
+            instance_id=instance,
+            process="order-fulfilment",
+            process_version=1,
+            node="reserve",
+            activation=1,
+        ),
     }
     fields.update(overrides)
     cmd = SubmitCommand.model_validate(fields)
@@ -41,15 +50,18 @@ async def inventory(env: Env) -> AsyncIterator[InProcessFleet]:
 
 
 async def _status(env: Env, request_id: str) -> str | None:
-    rows = await env.sql("SELECT status FROM participant_inventory.inbox WHERE request_id = %s",
-                         (request_id,), participant=True)
+    rows = await env.sql(
+        "SELECT status FROM participant_inventory.inbox WHERE request_id = %s",
+        (request_id,),
+        participant=True,
+    )
     return rows[0][0] if rows else None
 
 
 async def test_same_command_delivered_twice_executes_once_with_identical_receipts(
     env: Env, inventory: InProcessFleet
 ) -> None:
-    """"The same command identity with the same semantic input returns the existing
+    """ "The same command identity with the same semantic input returns the existing
     receipt": a redelivery never runs the handler again, and re-emits the very same
     receipt (same id, same bytes)."""
     cmd = submit()
@@ -63,14 +75,21 @@ async def test_same_command_delivered_twice_executes_once_with_identical_receipt
     first = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=1.0)
     # the duplicate, with retry-varying transport facts changed
     later = cmd.model_copy(update={"issued_at": datetime.now(UTC)})
-    await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(later)],
-                      message_id=str(uuid.uuid4()))
+    await publish_raw(
+        env.settings,
+        broker.EXCHANGE_COMMANDS,
+        "inventory.v1",
+        [codec.encode(later)],
+        message_id=str(uuid.uuid4()),
+    )
     again = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
     inventory.check_alive()
 
     effects = await env.scalar(
         "SELECT count(*) FROM participant_inventory.reservations WHERE operation_id = %s",
-        (cmd.operation_id,), participant=True)
+        (cmd.operation_id,),
+        participant=True,
+    )
     assert effects == 1
     assert [codec.decode_receipt(d.body).status for d in first] == ["accepted", "succeeded"]
     assert len(again) == 1, "the duplicate must be answered with the existing receipt"
@@ -82,7 +101,7 @@ async def test_same_command_delivered_twice_executes_once_with_identical_receipt
 async def test_changed_input_under_the_same_identity_conflicts_and_executes_nothing(
     env: Env, inventory: InProcessFleet
 ) -> None:
-    """"Reusing that identity with changed input conflicts": recorded durably, the
+    """ "Reusing that identity with changed input conflicts": recorded durably, the
     original untouched, a rejected/digest_conflict answer, no second effect."""
     cmd = submit()
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
@@ -94,7 +113,9 @@ async def test_changed_input_under_the_same_identity_conflicts_and_executes_noth
     await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=1.0)
     changed = cmd.model_copy(update={"input": {"order_id": "o-1", "sku": "sku-1", "quantity": 9}})
     changed = changed.model_copy(update={"digest": changed.semantic_digest()})
-    await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(changed)])
+    await publish_raw(
+        env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(changed)]
+    )
     answers = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
 
     assert len(answers) == 1
@@ -103,14 +124,23 @@ async def test_changed_input_under_the_same_identity_conflicts_and_executes_noth
     assert answer.error is not None and answer.error.code == "digest_conflict"
     conflicts = await env.sql(
         "SELECT stored_digest, received_digest FROM participant_inventory.conflicts",
-        participant=True)
+        participant=True,
+    )
     assert conflicts == [(cmd.digest, changed.digest)]
     rows = await env.sql(
         "SELECT quantity FROM participant_inventory.reservations WHERE operation_id = %s",
-        (cmd.operation_id,), participant=True)
+        (cmd.operation_id,),
+        participant=True,
+    )
     assert rows == [(2,)], "the original effect stands, and nothing else executed"
-    assert await env.scalar("SELECT digest FROM participant_inventory.inbox WHERE request_id = %s",
-                            (cmd.request_id,), participant=True) == cmd.digest
+    assert (
+        await env.scalar(
+            "SELECT digest FROM participant_inventory.inbox WHERE request_id = %s",
+            (cmd.request_id,),
+            participant=True,
+        )
+        == cmd.digest
+    )
 
 
 async def _redelivered(env: Env, body: bytes) -> None:
@@ -118,9 +148,10 @@ async def _redelivered(env: Env, body: bytes) -> None:
     from tests.harness import client
 
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [body])
-    async with client(env.settings) as amqp, amqp.consume(
-        [broker.command_queue("inventory.v1")], prefetch=1
-    ) as inbox:
+    async with (
+        client(env.settings) as amqp,
+        amqp.consume([broker.command_queue("inventory.v1")], prefetch=1) as inbox,
+    ):
         d = await inbox.get()
         await d.requeue()
 
@@ -129,7 +160,7 @@ async def _redelivered(env: Env, body: bytes) -> None:
 async def test_retry_varying_transport_facts_do_not_change_semantic_identity(
     env: Env, inventory: InProcessFleet, variation: str
 ) -> None:
-    """"Retry-varying tracing headers and transport delivery tags do not define
+    """ "Retry-varying tracing headers and transport delivery tags do not define
     semantic identity": a redelivery that differs only in a transport fact gets the
     existing receipt, and the handler does not run again."""
     from tests.harness import client
@@ -145,17 +176,31 @@ async def test_retry_varying_transport_facts_do_not_change_semantic_identity(
     if variation == "traceparent":
         async with client(env.settings) as amqp:
             pub = await amqp.publisher(window=1, timeout_s=5, user_id=None)
-            [ok] = await pub.publish_many([broker.Outgoing(
-                str(uuid.uuid4()), broker.EXCHANGE_COMMANDS, "inventory.v1", codec.encode(cmd),
-                {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})])
+            [ok] = await pub.publish_many(
+                [
+                    broker.Outgoing(
+                        str(uuid.uuid4()),
+                        broker.EXCHANGE_COMMANDS,
+                        "inventory.v1",
+                        codec.encode(cmd),
+                        {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"},
+                    )
+                ]
+            )
             assert ok.ok
     elif variation == "message_id":
-        await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1",
-                          [codec.encode(cmd)], message_id=str(uuid.uuid4()))
+        await publish_raw(
+            env.settings,
+            broker.EXCHANGE_COMMANDS,
+            "inventory.v1",
+            [codec.encode(cmd)],
+            message_id=str(uuid.uuid4()),
+        )
     elif variation == "issued_at":
         later = cmd.model_copy(update={"issued_at": datetime.now(UTC)})
-        await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1",
-                          [codec.encode(later)])
+        await publish_raw(
+            env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(later)]
+        )
     else:
         [run] = inventory.running
         await inventory.stop(run)
@@ -163,9 +208,14 @@ async def test_retry_varying_transport_facts_do_not_change_semantic_identity(
         inventory.start("inventory")
     again = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
     assert [d.body for d in again] == [first[-1].body]
-    assert await env.scalar(
-        "SELECT count(*) FROM participant_inventory.reservations WHERE operation_id = %s",
-        (cmd.operation_id,), participant=True) == 1
+    assert (
+        await env.scalar(
+            "SELECT count(*) FROM participant_inventory.reservations WHERE operation_id = %s",
+            (cmd.operation_id,),
+            participant=True,
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,8 +235,14 @@ async def test_a_command_for_another_owner_or_binding_is_refused_and_recorded(
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
 
     async def refused() -> bool:
-        return await env.scalar("SELECT count(*) FROM participant_inventory.refused"
-                                " WHERE reason = %s", (reason,), participant=True) == 1
+        return (
+            await env.scalar(
+                "SELECT count(*) FROM participant_inventory.refused WHERE reason = %s",
+                (reason,),
+                participant=True,
+            )
+            == 1
+        )
 
     await wait_until(refused, what="the refusal recorded")
     assert await _status(env, cmd.request_id) is None
@@ -196,19 +252,29 @@ async def test_a_command_for_another_owner_or_binding_is_refused_and_recorded(
 async def test_a_command_whose_digest_does_not_match_its_fields_is_refused(
     env: Env, inventory: InProcessFleet
 ) -> None:
-    """"A participant persists the semantic command digest": it recomputes it, and a
+    """ "A participant persists the semantic command digest": it recomputes it, and a
     command whose digest does not bind its own input is refused, not executed."""
     cmd = submit().model_copy(update={"input": {"order_id": "o-1", "sku": "sku-1", "quantity": 50}})
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
 
     async def refused() -> bool:
-        return await env.scalar("SELECT count(*) FROM participant_inventory.refused"
-                                " WHERE reason = 'digest_mismatch'", participant=True) == 1
+        return (
+            await env.scalar(
+                "SELECT count(*) FROM participant_inventory.refused"
+                " WHERE reason = 'digest_mismatch'",
+                participant=True,
+            )
+            == 1
+        )
 
     await wait_until(refused, what="the refusal recorded")
     assert await _status(env, cmd.request_id) is None
-    assert await env.scalar("SELECT count(*) FROM participant_inventory.reservations",
-                            participant=True) == 0
+    assert (
+        await env.scalar(
+            "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        == 0
+    )
 
 
 async def test_an_unknown_operation_is_answered_rejected_with_effect_none(

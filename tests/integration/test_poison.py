@@ -40,8 +40,10 @@ async def test_a_message_that_fails_its_consumer_is_dead_lettered_with_its_reaso
     await publish_starts(env.settings, orders)
 
     async def finished() -> bool:
-        return await env.scalar(
-            "SELECT count(*) FROM custody.instances WHERE status = 'completed'") == n
+        return (
+            await env.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == n
+        )
 
     await wait_until(finished, timeout=60, what="the good instances to complete")
     fleet.check_alive()
@@ -59,9 +61,11 @@ async def test_the_delivery_limit_dead_letters_what_a_consumer_keeps_requeueing(
     the dead-letter queue instead of looping forever or being dropped."""
     await publish_starts(env.settings, [order(1)])
     requeues = 0
-    async with client(env.settings) as amqp, amqp.consume(
-        [broker.QUEUE_REQUESTS], prefetch=1
-    ) as inbox:
+    async with (
+        client(env.settings) as amqp,
+        amqp.consume([broker.QUEUE_REQUESTS], prefetch=1) as inbox,
+    ):
+
         async def dead_lettered() -> bool:
             nonlocal requeues
             try:

@@ -29,7 +29,8 @@ from workers.config import ROOT
 def short(env: Env, tmp_path: Path) -> Env:
     """The env with 2 s deadlines and a 0.2 s retry backoff."""
     env.settings = dataclasses.replace(
-        env.settings, processes_dir=str(processes.write(tmp_path / "processes")))
+        env.settings, processes_dir=str(processes.write(tmp_path / "processes"))
+    )
     return env
 
 
@@ -44,19 +45,26 @@ def custody(env: Env, *args: str, actor: str | None = "oncall") -> subprocess.Co
     """The operator CLI, as a separate process against the test's database."""
     extra = {"CUSTODY_OPERATOR": actor} if actor else {}
     return subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=60, env={**os.environ, **env_vars(env), **extra})
+        [sys.executable, "-m", "workers.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env_vars(env), **extra},
+    )
 
 
 def env_vars(env: Env) -> dict[str, str]:
-    return {k: v for k, v in env.fleet_env().items()} | {
-        "CUSTODY_PROCESSES_DIR": env.settings.processes_dir}
+    return env.fleet_env() | {"CUSTODY_PROCESSES_DIR": env.settings.processes_dir}
 
 
 async def status_of(env: Env, node: str) -> tuple[Any, ...]:
-    rows = await env.sql("SELECT o.status::text, o.effect::text, o.attempt, i.status::text"
-                         " FROM custody.operations o JOIN custody.instances i"
-                         " ON i.id = o.instance_id WHERE o.node = %s", (node,))
+    rows = await env.sql(
+        "SELECT o.status::text, o.effect::text, o.attempt, i.status::text"
+        " FROM custody.operations o JOIN custody.instances i"
+        " ON i.id = o.instance_id WHERE o.node = %s",
+        (node,),
+    )
     return rows[0] if rows else ()
 
 
@@ -89,8 +97,12 @@ async def test_a_passed_deadline_makes_the_operation_outcome_unknown_and_suspend
     assert await short.scalar("SELECT count(*) FROM custody.attempts") == 1
     assert await short.scalar("SELECT count(*) FROM custody.outbox") == 1
     events = [e for (e,) in await short.sql("SELECT event FROM custody.history ORDER BY id")]
-    assert events == ["instance.started", "node.activated", "operation.dispatched",
-                      "operation.outcome_unknown"]
+    assert events == [
+        "instance.started",
+        "node.activated",
+        "operation.dispatched",
+        "operation.outcome_unknown",
+    ]
 
 
 async def test_the_operator_story_timeout_reconcile_late_success_successors_run(
@@ -105,8 +117,13 @@ async def test_the_operator_story_timeout_reconcile_late_success_successors_run(
     await publish_starts(short.settings, [order(1)])
 
     async def reserved() -> bool:
-        return await short.scalar("SELECT count(*) FROM participant_inventory.inbox"
-                                  " WHERE status = 'succeeded'", participant=True) == 1
+        return (
+            await short.scalar(
+                "SELECT count(*) FROM participant_inventory.inbox WHERE status = 'succeeded'",
+                participant=True,
+            )
+            == 1
+        )
 
     await wait_until(reserved, what="the participant to complete the reservation")
     await wait_until(lambda: _published(short), what="the participant's receipts sent")
@@ -116,36 +133,50 @@ async def test_the_operator_story_timeout_reconcile_late_success_successors_run(
     listed = custody(short, "operations", "list", "--status", "outcome_unknown", "--json")
     assert listed.returncode == 0, listed.stderr
     [row] = json.loads(listed.stdout)
-    done = custody(short, "reconcile", row["id"], "--reason", "participant restarted, lost replies",
-                   "--json")
+    done = custody(
+        short, "reconcile", row["id"], "--reason", "participant restarted, lost replies", "--json"
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "reconcile_pending"
     fleet.start("receipts")
     await until_status(short, "reserve", "succeeded")
 
     async def completed() -> bool:
-        return await short.scalar("SELECT count(*) FROM custody.instances"
-                                  " WHERE status = 'completed'") == 1
+        return (
+            await short.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == 1
+        )
 
     await wait_until(completed, what="the instance to complete after reconcile")
-    assert await short.scalar("SELECT count(*) FROM participant_inventory.reservations",
-                              participant=True) == 1
-    kinds = await short.sql("SELECT kind, count(*) FROM custody.attempts a JOIN custody.operations o"
-                            " ON o.id = a.operation_id WHERE o.node = 'reserve' GROUP BY 1 ORDER BY 1")
+    assert (
+        await short.scalar(
+            "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        == 1
+    )
+    kinds = await short.sql(
+        "SELECT kind, count(*) FROM custody.attempts a JOIN custody.operations o"
+        " ON o.id = a.operation_id WHERE o.node = 'reserve' GROUP BY 1 ORDER BY 1"
+    )
     assert kinds == [("query", 1), ("submit", 1)], "reconcile never creates a new attempt"
     [audit] = await short.sql("SELECT actor, action, outcome, reason FROM custody.audit")
     assert audit == ("oncall", "reconcile", "done", "participant restarted, lost replies")
 
 
 async def _published(env: Env) -> bool:
-    return await env.scalar("SELECT count(*) FROM participant_inventory.outbox"
-                            " WHERE status = 'pending'", participant=True) == 0
+    return (
+        await env.scalar(
+            "SELECT count(*) FROM participant_inventory.outbox WHERE status = 'pending'",
+            participant=True,
+        )
+        == 0
+    )
 
 
 async def test_a_null_query_answer_is_not_proof_that_no_effect_occurred(
     short: Env, fleet: InProcessFleet
 ) -> None:
-    """"A null query result means no receipt was returned; it is not proof that no
+    """ "A null query result means no receipt was returned; it is not proof that no
     effect occurred": the operation returns to outcome_unknown with the fact recorded."""
     fleet.start_all(participants=())
     await publish_starts(short.settings, [order(1)])
@@ -157,8 +188,10 @@ async def test_a_null_query_answer_is_not_proof_that_no_effect_occurred(
     assert custody(short, "reconcile", oid, "--reason", "checking the lost command").returncode == 0
 
     async def answered() -> bool:
-        facts = await short.sql("SELECT detail->>'fact' FROM custody.history"
-                                " WHERE event = 'operation.outcome_unknown' AND detail ? 'fact'")
+        facts = await short.sql(
+            "SELECT detail->>'fact' FROM custody.history"
+            " WHERE event = 'operation.outcome_unknown' AND detail ? 'fact'"
+        )
         return facts == [("query answered: no receipt",)]
 
     await wait_until(answered, what="the null answer recorded")
@@ -177,49 +210,69 @@ async def test_a_late_receipt_after_the_deadline_is_applied_once(
     fleet.start("inventory")  # wakes up late and works through its queue
 
     async def completed() -> bool:
-        return await short.scalar("SELECT count(*) FROM custody.instances"
-                                  " WHERE status = 'completed'") == 1
+        return (
+            await short.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == 1
+        )
 
     await wait_until(completed, what="the instance to complete with the late receipt")
-    assert await short.scalar("SELECT count(*) FROM participant_inventory.reservations",
-                              participant=True) == 1
-    assert await short.scalar("SELECT count(*) FROM custody.history"
-                              " WHERE event = 'operation.succeeded'") == 3
+    assert (
+        await short.scalar(
+            "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        == 1
+    )
+    assert (
+        await short.scalar(
+            "SELECT count(*) FROM custody.history WHERE event = 'operation.succeeded'"
+        )
+        == 3
+    )
 
 
 async def test_a_retryable_failure_with_effect_none_is_retried_as_a_new_attempt(
     short: Env, fleet: InProcessFleet
 ) -> None:
-    """"retry-safe requires authoritative RetryWaiting with effect none. It retains the
+    """ "retry-safe requires authoritative RetryWaiting with effect none. It retains the
     operation/input identity while creating the allowed new attempt and command"; the
     node's retry policy takes the same path automatically."""
     fleet.start_all()
     await publish_starts(short.settings, [order(1, flaky=True)])
 
     async def completed() -> bool:
-        return await short.scalar("SELECT count(*) FROM custody.instances"
-                                  " WHERE status = 'completed'") == 1
+        return (
+            await short.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == 1
+        )
 
     await wait_until(completed, what="the flaky charge to succeed on attempt 2")
     attempts = await short.sql(
         "SELECT a.attempt, a.request_id::text, a.digest FROM custody.attempts a"
         " JOIN custody.operations o ON o.id = a.operation_id"
-        " WHERE o.node = 'charge' AND a.kind = 'submit' ORDER BY a.attempt")
+        " WHERE o.node = 'charge' AND a.kind = 'submit' ORDER BY a.attempt"
+    )
     assert [a for a, _, _ in attempts] == [1, 2]
     assert attempts[0][1] != attempts[1][1] and attempts[0][2] != attempts[1][2]
     assert await status_of(short, "charge") == ("succeeded", "applied", 2, "completed")
-    assert await short.scalar("SELECT count(*) FROM participant_payments.charges",
-                              participant=True) == 1
-    history = [e for (e,) in await short.sql(
-        "SELECT h.event FROM custody.history h JOIN custody.operations o ON o.id = h.operation_id"
-        " WHERE o.node = 'charge' ORDER BY h.id")]
+    assert (
+        await short.scalar("SELECT count(*) FROM participant_payments.charges", participant=True)
+        == 1
+    )
+    history = [
+        e
+        for (e,) in await short.sql(
+            "SELECT h.event FROM custody.history h"
+            " JOIN custody.operations o ON o.id = h.operation_id"
+            " WHERE o.node = 'charge' ORDER BY h.id"
+        )
+    ]
     assert "operation.retry_waiting" in history and history[-1] == "operation.succeeded"
 
 
 async def test_retry_safe_is_refused_unless_retry_waiting_with_effect_none(
     short: Env, fleet: InProcessFleet
 ) -> None:
-    """"Unknown effects cannot become success through an operator assertion or blind
+    """ "Unknown effects cannot become success through an operator assertion or blind
     replay": retry-safe on outcome_unknown is refused (exit 3), audited, and creates
     nothing; an unknown operation is exit 4; no command sets succeeded."""
     fleet.start_all(participants=())
@@ -229,8 +282,9 @@ async def test_retry_safe_is_refused_unless_retry_waiting_with_effect_none(
     refused = custody(short, "retry-safe", oid, "--reason", "please just run it again")
     assert refused.returncode == 3
     assert "retry_waiting with effect none" in refused.stderr
-    missing = custody(short, "retry-safe", "00000000-0000-4000-8000-000000000000",
-                      "--reason", "no such operation")
+    missing = custody(
+        short, "retry-safe", "00000000-0000-4000-8000-000000000000", "--reason", "no such operation"
+    )
     assert missing.returncode == 4
     assert await short.scalar("SELECT count(*) FROM custody.attempts") == 1
     assert await status_of(short, "reserve") == ("outcome_unknown", "unknown", 1, "suspended")
@@ -245,8 +299,10 @@ async def test_operator_retry_safe_from_retry_waiting_creates_attempt_two(
 ) -> None:
     """The operator's retry-safe (here the policy's backoff is an hour) goes through
     the same path: attempt n+1, same operation id and input, a new command."""
-    env.settings = dataclasses.replace(env.settings, processes_dir=str(
-        processes.write(tmp_path / "p", deadline_s=30, retry_backoff_s=3600)))
+    env.settings = dataclasses.replace(
+        env.settings,
+        processes_dir=str(processes.write(tmp_path / "p", deadline_s=30, retry_backoff_s=3600)),
+    )
     fleet = InProcessFleet(env)
     fleet.start_all()
     try:
@@ -259,10 +315,14 @@ async def test_operator_retry_safe_from_retry_waiting_creates_attempt_two(
         await until_status(env, "charge", "succeeded")
         [(input_1, input_2)] = await env.sql(
             "SELECT (SELECT input FROM custody.operations WHERE id = %s), o.input"
-            " FROM custody.operations o WHERE o.id = %s", (oid, oid))
+            " FROM custody.operations o WHERE o.id = %s",
+            (oid, oid),
+        )
         assert input_1 == input_2
-        assert await env.scalar("SELECT count(*) FROM participant_payments.charges",
-                                participant=True) == 1
+        assert (
+            await env.scalar("SELECT count(*) FROM participant_payments.charges", participant=True)
+            == 1
+        )
     finally:
         await fleet.stop_all()
 
@@ -301,8 +361,9 @@ async def test_tenant_scoped_operators_cannot_act_on_other_tenants(
     await publish_starts(short.settings, [order(1)], tenant="globex")
     await until_status(short, "reserve", "outcome_unknown")
     oid = await op_id(short, "reserve")
-    result = custody(short, "reconcile", oid, "--reason", "support ticket 123",
-                     actor="acme-support")
+    result = custody(
+        short, "reconcile", oid, "--reason", "support ticket 123", actor="acme-support"
+    )
     assert result.returncode == 3 and "tenant 'globex'" in result.stderr
 
 
@@ -327,26 +388,36 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
 
     publisher = next(r for r in fleet.running if r.name == "publisher")
     await fleet.stop(publisher)
-    held, free = await publish_starts(short.settings, [order(2), order(3)])
+    held, _free = await publish_starts(short.settings, [order(2), order(3)])
 
     async def started() -> bool:
         return await short.scalar("SELECT count(*) FROM custody.instances") == 3
 
     await wait_until(started, what="two more instances")
-    instance = await short.scalar("SELECT id::text FROM custody.instances"
-                                  " WHERE start_request_id = %s", (held,))
-    assert custody(short, "dispatch", "pause", "--instance", instance,
-                   "--reason", "customer asked to hold").returncode == 0
+    instance = await short.scalar(
+        "SELECT id::text FROM custody.instances WHERE start_request_id = %s", (held,)
+    )
+    assert (
+        custody(
+            short, "dispatch", "pause", "--instance", instance, "--reason", "customer asked to hold"
+        ).returncode
+        == 0
+    )
     fleet.start("publisher")
 
     async def other_done() -> bool:
-        return await short.scalar("SELECT count(*) FROM custody.instances"
-                                  " WHERE status = 'completed'") == 2
+        return (
+            await short.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == 2
+        )
 
     await wait_until(other_done, what="the unpaused instance to complete")
-    held_ops = await short.sql("SELECT o.status::text, x.status FROM custody.operations o"
-                               " JOIN custody.outbox x ON x.operation_id = o.id"
-                               " WHERE o.instance_id = %s", (instance,))
+    held_ops = await short.sql(
+        "SELECT o.status::text, x.status FROM custody.operations o"
+        " JOIN custody.outbox x ON x.operation_id = o.id"
+        " WHERE o.instance_id = %s",
+        (instance,),
+    )
     assert held_ops == [("pending", "pending")]
     audit = await short.sql("SELECT action, outcome FROM custody.audit ORDER BY id")
     assert audit == [("pause", "done"), ("resume", "done"), ("pause", "done")]

@@ -46,24 +46,36 @@ async def op(env: Env, engine_only: InProcessFleet) -> Op:
     await publish_starts(env.settings, [order(1)])
 
     async def dispatched() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.operations"
-                                " WHERE status = 'dispatched'") == 1
+        return (
+            await env.scalar("SELECT count(*) FROM custody.operations WHERE status = 'dispatched'")
+            == 1
+        )
 
     await wait_until(dispatched, what="the first operation dispatched")
     [(oid, tenant, attempt, digest, request_id)] = await env.sql(
         "SELECT o.id::text, o.tenant, o.attempt, o.digest, a.request_id::text"
-        " FROM custody.operations o JOIN custody.attempts a ON a.operation_id = o.id")
+        " FROM custody.operations o JOIN custody.attempts a ON a.operation_id = o.id"
+    )
     return Op(oid, tenant, attempt, digest, request_id)
 
 
-def receipt(op: Op, revision: int = 1, status: str = "accepted", effect: str = "none",
-            **overrides: Any) -> OperationReceipt:
+def receipt(
+    op: Op, revision: int = 1, status: str = "accepted", effect: str = "none", **overrides: Any
+) -> OperationReceipt:
     fields: dict[str, Any] = {
-        "receipt_id": identity.receipt_id(op.request_id, revision), "tenant": op.tenant,
-        "operation_id": op.id, "attempt": op.attempt, "request_id": op.request_id,
-        "in_reply_to": op.request_id, "owner": "inventory", "principal": "custody-inventory",
-        "command_digest": op.digest, "owner_revision": revision, "status": status,
-        "effect": effect, "emitted_at": datetime.now(UTC),
+        "receipt_id": identity.receipt_id(op.request_id, revision),
+        "tenant": op.tenant,
+        "operation_id": op.id,
+        "attempt": op.attempt,
+        "request_id": op.request_id,
+        "in_reply_to": op.request_id,
+        "owner": "inventory",
+        "principal": "custody-inventory",
+        "command_digest": op.digest,
+        "owner_revision": revision,
+        "status": status,
+        "effect": effect,
+        "emitted_at": datetime.now(UTC),
     }
     if status == "succeeded":
         fields["result"] = {"reservation_id": op.id}
@@ -71,26 +83,33 @@ def receipt(op: Op, revision: int = 1, status: str = "accepted", effect: str = "
     return OperationReceipt.model_validate(fields)
 
 
-async def send(env: Env, *bodies: bytes, as_user: str | None = "inventory",
-               user_id: str | None = "default") -> None:
+async def send(
+    env: Env, *bodies: bytes, as_user: str | None = "inventory", user_id: str | None = "default"
+) -> None:
     """Publish receipts as a participant's broker user (user_id validated by RabbitMQ)."""
     settings = env.participant_settings(as_user) if as_user else env.settings
     uid = (f"custody-{as_user}" if as_user else None) if user_id == "default" else user_id
-    await publish_raw(settings, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, list(bodies),
-                      user_id=uid)
+    await publish_raw(
+        settings, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, list(bodies), user_id=uid
+    )
 
 
 async def quarantined(env: Env, reason: str, n: int = 1) -> None:
     async def seen() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.quarantine WHERE reason = %s",
-                                (reason,)) >= n
+        return (
+            await env.scalar("SELECT count(*) FROM custody.quarantine WHERE reason = %s", (reason,))
+            >= n
+        )
 
     await wait_until(seen, timeout=15, what=f"{n} quarantine row(s) with reason {reason}")
 
 
 async def operation_state(env: Env, op: Op) -> tuple[Any, ...]:
-    [row] = await env.sql("SELECT status::text, effect::text, owner_revision, result"
-                          " FROM custody.operations WHERE id = %s", (op.id,))
+    [row] = await env.sql(
+        "SELECT status::text, effect::text, owner_revision, result"
+        " FROM custody.operations WHERE id = %s",
+        (op.id,),
+    )
     return row
 
 
@@ -114,14 +133,26 @@ def body(r: OperationReceipt, **raw_overrides: Any) -> bytes:
         (lambda r: b"\xff\xfe", "not_utf8"),
         (lambda r: body(r, owner_revision="1"), "schema"),  # strict: no coercion
         (lambda r: body(r, surprise=True), "schema"),  # unknown field
-        (lambda r: orjson.dumps({k: v for k, v in orjson.loads(body(r)).items()
-                                 if k != "command_digest"}), "schema"),  # missing field
+        (
+            lambda r: orjson.dumps(
+                {k: v for k, v in orjson.loads(body(r)).items() if k != "command_digest"}
+            ),
+            "schema",
+        ),  # missing field
         (lambda r: body(r, type="custody.receipt.v9"), "unknown_type"),
         (lambda r: body(r, result={"x": 1.5}), "non_canonical_value"),
         (lambda r: body(r, result={"blob": "x" * 300_000}), "oversized"),
     ],
-    ids=["non-json", "not-utf8", "wrong-type", "unknown-field", "missing-field",
-         "unknown-version", "float", "oversized"],
+    ids=[
+        "non-json",
+        "not-utf8",
+        "wrong-type",
+        "unknown-field",
+        "missing-field",
+        "unknown-version",
+        "float",
+        "oversized",
+    ],
 )
 async def test_rule_1_schema_invalid_receipts_are_quarantined_with_their_reason(
     env: Env, op: Op, make: Any, reason: str
@@ -197,23 +228,39 @@ async def test_rule_6_owner_revisions_never_roll_back(env: Env, op: Op) -> None:
     after = await operation_state(env, op)
     assert after[:3] == ("succeeded", "applied", 2)
 
-    older = receipt(op, 1, "failed", "none", receipt_id=str(uuid.uuid4()),
-                    error=ReceiptError(code="late", message="an older statement"))
+    older = receipt(
+        op,
+        1,
+        "failed",
+        "none",
+        receipt_id=str(uuid.uuid4()),
+        error=ReceiptError(code="late", message="an older statement"),
+    )
     await send(env, codec.encode(older))
     await send(env, codec.encode(done))  # equal revision, identical content
-    changed = receipt(op, 2, "succeeded", "applied", receipt_id=str(uuid.uuid4()),
-                      result={"reservation_id": "someone else"})
+    changed = receipt(
+        op,
+        2,
+        "succeeded",
+        "applied",
+        receipt_id=str(uuid.uuid4()),
+        result={"reservation_id": "someone else"},
+    )
     await send(env, codec.encode(changed))
     await quarantined(env, "revision_conflict")
 
     async def stale_recorded() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.receipt_inbox"
-                                " WHERE decision = 'stale'") == 1
+        return (
+            await env.scalar("SELECT count(*) FROM custody.receipt_inbox WHERE decision = 'stale'")
+            == 1
+        )
 
     await wait_until(stale_recorded, what="the older revision recorded as stale")
     assert await operation_state(env, op) == after
-    assert await env.scalar("SELECT count(*) FROM custody.history"
-                            " WHERE event = 'operation.succeeded'") == 1
+    assert (
+        await env.scalar("SELECT count(*) FROM custody.history WHERE event = 'operation.succeeded'")
+        == 1
+    )
 
 
 async def test_rule_7_a_success_after_an_authoritative_failure_is_an_integrity_violation(
@@ -233,7 +280,7 @@ async def test_rule_7_a_success_after_an_authoritative_failure_is_an_integrity_v
 async def test_successful_application_records_result_and_successor_intent_once(
     env: Env, op: Op
 ) -> None:
-    """"Successful application records the result and next-step intent atomically",
+    """ "Successful application records the result and next-step intent atomically",
     once: a redelivered receipt adds nothing."""
     done = receipt(op, 1, "succeeded", "applied")
     await send(env, codec.encode(done))
@@ -241,12 +288,17 @@ async def test_successful_application_records_result_and_successor_intent_once(
     await send(env, codec.encode(done), codec.encode(done))
 
     async def next_node() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'charge'") == 1
+        return (
+            await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'charge'") == 1
+        )
 
     await wait_until(next_node, what="the successor operation")
-    assert await env.sql("SELECT outcome, next_node FROM custody.successor_intents"
-                         " WHERE from_operation_id = %s", (op.id,)) == [("succeeded", "charge")]
-    [(status, result)] = await env.sql("SELECT status::text, result FROM custody.operations"
-                                       " WHERE id = %s", (op.id,))
+    assert await env.sql(
+        "SELECT outcome, next_node FROM custody.successor_intents WHERE from_operation_id = %s",
+        (op.id,),
+    ) == [("succeeded", "charge")]
+    [(status, result)] = await env.sql(
+        "SELECT status::text, result FROM custody.operations WHERE id = %s", (op.id,)
+    )
     assert (status, result) == ("succeeded", {"reservation_id": op.id})
     assert await env.scalar("SELECT count(*) FROM custody.receipt_inbox") == 1
