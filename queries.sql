@@ -423,3 +423,85 @@ SELECT id, instance_id, status::text FROM operations
  ORDER BY deadline_at
  LIMIT %(limit)s
    FOR UPDATE SKIP LOCKED;
+
+-- Cancellation ---------------------------------------------------------------------
+
+-- name: start_locks
+-- Serialises a start request with its cancellation: exactly one of the two wins.
+SELECT pg_advisory_xact_lock(k)
+  FROM (SELECT DISTINCT hashtext(t || '/' || s) AS k
+          FROM unnest(%(tenant)s::text[], %(start_request_id)s::text[]) AS u(t, s)
+         ORDER BY 1) AS keys;
+
+-- name: start_tombstones_for
+SELECT tenant, start_request_id::text FROM start_tombstones
+ WHERE (tenant, start_request_id) IN (
+       SELECT * FROM unnest(%(tenant)s::text[], %(start_request_id)s::uuid[]));
+
+-- name: start_tombstone_late
+UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
+ WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
+
+-- name: start_tombstone_insert
+INSERT INTO start_tombstones (tenant, start_request_id, actor, reason)
+VALUES (%(tenant)s, %(start_request_id)s, %(actor)s, %(reason)s)
+ON CONFLICT DO NOTHING;
+
+-- name: instance_by_start
+SELECT id::text FROM instances WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
+
+-- name: instance_for_update
+SELECT id::text, tenant, status::text FROM instances WHERE id = %(id)s FOR UPDATE;
+
+-- name: instance_set_cancelling
+UPDATE instances SET status = 'cancelling', updated_at = now()
+ WHERE id = %(id)s AND status IN ('running', 'suspended');
+
+-- name: instance_unresolved
+SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
+       lineage, attempt, digest, status::text, effect::text, deadline_seconds
+  FROM operations
+ WHERE instance_id = %(id)s AND status NOT IN ('succeeded', 'failed', 'cancelled')
+ ORDER BY id
+   FOR UPDATE;
+
+-- name: operation_cancel
+UPDATE operations
+   SET status = %(status)s::custody.operation_status, updated_at = now(),
+       effect = CASE WHEN %(status)s::text = 'cancelled' THEN 'none'::custody.effect ELSE effect END,
+       finished_at = CASE WHEN %(status)s::text = 'cancelled' THEN now() END
+ WHERE id = %(id)s AND status = %(expected)s;
+
+-- name: instance_settle_cancel
+-- A cancelling instance is cancelled once every operation has authoritative evidence.
+UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now()
+ WHERE id = %(id)s AND status = 'cancelling'
+   AND NOT EXISTS (SELECT 1 FROM operations
+                    WHERE instance_id = %(id)s
+                      AND status NOT IN ('succeeded', 'failed', 'cancelled'));
+
+-- name: p_inbox_lock
+SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, status,
+       owner_revision, command
+  FROM inbox WHERE request_id = %(id)s
+   FOR UPDATE;
+
+-- name: p_tombstone_insert
+INSERT INTO tombstones (request_id, tenant, operation_id, reason)
+VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(reason)s)
+ON CONFLICT DO NOTHING;
+
+-- name: p_inbox_tombstoned
+-- A cancel that arrived before its command takes the command's identity: the late
+-- command finds it, and is refused instead of executed.
+INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
+                   status, effect, owner_revision, completed_at)
+VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(attempt)s, %(operation)s, %(digest)s,
+        %(command)s, 'cancelled', 'none', 1, now())
+ON CONFLICT (request_id) DO NOTHING
+RETURNING request_id::text;
+
+-- name: p_inbox_cancel
+UPDATE inbox SET status = 'cancelled', effect = 'none', owner_revision = %(owner_revision)s,
+                 completed_at = now()
+ WHERE request_id = %(request_id)s AND status = 'accepted';

@@ -59,6 +59,19 @@ CREATE TABLE IF NOT EXISTS custody.instances (
 CREATE INDEX IF NOT EXISTS instances_status ON custody.instances (status)
   WHERE status NOT IN ('completed', 'failed', 'cancelled');
 
+-- An authorized cancellation of a start request that has not created its instance
+-- (yet): the late start creates nothing. Checked under the same advisory lock as the
+-- start, so exactly one of the two wins.
+CREATE TABLE IF NOT EXISTS custody.start_tombstones (
+  tenant           text NOT NULL,
+  start_request_id uuid NOT NULL,
+  actor            text NOT NULL,
+  reason           text NOT NULL,
+  created_at       timestamptz NOT NULL DEFAULT now(),
+  late_start_at    timestamptz,
+  PRIMARY KEY (tenant, start_request_id)
+);
+
 -- Node activations of an instance. (instance, node, activation) is the lineage that
 -- the operation id is derived from.
 CREATE TABLE IF NOT EXISTS custody.node_states (

@@ -12,7 +12,7 @@ import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from contracts.digest import MAX_DEPTH
-from contracts.models import ReceiptMessage, ServiceCommand, StartRequest
+from contracts.models import ReceiptMessage, RequestMessage, ServiceCommand, StartRequest
 
 DEFAULT_MAX_BYTES: Final = 256 * 1024
 
@@ -31,6 +31,7 @@ class DecodeError(ValueError):
 _command = TypeAdapter[Any](ServiceCommand)
 _receipt = TypeAdapter[Any](ReceiptMessage)
 _start = TypeAdapter(StartRequest)
+_request = TypeAdapter[Any](RequestMessage)
 
 
 def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
@@ -118,6 +119,11 @@ def decode_start(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> StartReques
     return result
 
 
+def decode_request(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Decode a :data:`RequestMessage` (a start request or a cancel request)."""
+    return _decode(_request, body, max_bytes)
+
+
 def encode(model: BaseModel) -> bytes:
     """The wire bytes of a model (compact JSON, UTF-8)."""
     return orjson.dumps(model.model_dump(mode="json"))
@@ -131,5 +137,6 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "service-command": _command.json_schema(),
         "receipt-message": _receipt.json_schema(),
         "start-request": _start.json_schema(),
+        "request-message": _request.json_schema(),
         "executor-route": TypeAdapter(models.ExecutorRoute).json_schema(),
     }

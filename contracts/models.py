@@ -181,6 +181,20 @@ class StartRequest(Contract):
     requested_by: Name
 
 
+class CancelRequest(Contract):
+    """Ask the engine to cancel the instance started by ``start_request_id`` — or, if
+    that start has not arrived yet, to make sure it never creates anything."""
+
+    type: Literal["custody.cancel.v1"] = "custody.cancel.v1"
+    tenant: Tenant
+    start_request_id: Id
+    reason: Text
+    requested_by: Name
+
+
+RequestMessage = Annotated[StartRequest | CancelRequest, Field(discriminator="type")]
+
+
 class ExecutorRoute(Contract):
     """Trusted deployment configuration: who executes a route, and where it listens."""
 

@@ -327,6 +327,22 @@ async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
+async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    return await _operator_command(
+        settings, args, lambda op: op.cancel_instance(actor, args.instance_id, args.reason)
+    )
+
+
+async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
+    actor = _actor(args)
+    return await _operator_command(
+        settings,
+        args,
+        lambda op: op.cancel_start(actor, args.tenant, args.start_request_id, args.reason),
+    )
+
+
 async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
     actor = _actor(args)
     paused = args.dispatch_command == "pause"
@@ -498,6 +514,26 @@ def parser() -> argparse.ArgumentParser:
     rs.add_argument("operation_id")
     operator_args(rs)
     rs.set_defaults(fn=cmd_retry_safe)
+
+    cn = sub.add_parser(
+        "cancel",
+        help="cancel an instance: its unresolved operations stay "
+        "cancelling until their executors answer; exit 0 done, 3 refused, "
+        "4 not found",
+    )
+    cn.add_argument("instance_id")
+    operator_args(cn)
+    cn.set_defaults(fn=cmd_cancel)
+
+    cs = sub.add_parser(
+        "cancel-start",
+        help="cancel a start request: its instance if it "
+        "exists, otherwise a durable tombstone so a late start creates nothing",
+    )
+    cs.add_argument("start_request_id")
+    cs.add_argument("--tenant", required=True)
+    operator_args(cs)
+    cs.set_defaults(fn=cmd_cancel_start)
 
     dp = sub.add_parser("dispatch", help="pause or resume effect dispatch").add_subparsers(
         dest="dispatch_command", required=True

@@ -12,20 +12,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from contracts import codec, digest, identity
-from contracts.models import ExecutorRoute, Lineage, StartRequest
+from contracts.models import CancelRequest, ExecutorRoute, Lineage, StartRequest
 from workers import (
     adapter,
+    authz,
     broker,
     consumer,
     db,
     engine,
     faults,
     metrics,
+    operator,
     process,
     routes,
     runtime,
@@ -146,23 +149,81 @@ class Committer:
         lease: db.Lease,
         table: routes.Routes,
         catalog: process.Catalog,
+        roles: authz.Roles | None = None,
     ) -> None:
+        self.operators = operator.Operator(database, roles, lease)
         self.settings = settings
         self.db = database
         self.lease = lease
         self.routes = table
         self.catalog = catalog
 
-    async def commit_starts(self, deliveries: Sequence[broker.Delivery]) -> None:
-        """One transaction for a batch of start requests; the caller acks after it."""
-        valid: list[tuple[broker.Delivery, StartRequest]] = []
+    async def commit_requests(self, deliveries: Sequence[broker.Delivery]) -> None:
+        """Start and cancel requests, in queue order: each run of starts in one
+        transaction, each cancel through the operator path (authorized as the
+        delivery's broker-validated user, audited)."""
+        run: list[tuple[broker.Delivery, StartRequest]] = []
         quarantine: list[dict[str, Any]] = []
         for d in deliveries:
             try:
-                valid.append((d, codec.decode_start(d.body, self.settings.max_message_bytes)))
+                message = codec.decode_request(d.body, self.settings.max_message_bytes)
             except codec.DecodeError as exc:
                 quarantine.append(_quarantine_row(d, exc.reason, exc.detail))
+                continue
+            if isinstance(message, StartRequest):
+                run.append((d, message))
+                continue
+            await self.commit_starts(run, quarantine)
+            run, quarantine = [], []
+            await self.cancel(d, message)
+        await self.commit_starts(run, quarantine)
+
+    async def cancel(self, d: broker.Delivery, request: CancelRequest) -> None:
+        actor = d.user_id or "(no broker user id)"
+        if d.user_id != request.requested_by:
+            actor = f"{actor} claiming {request.requested_by}"
+        outcome = await self.operators.cancel_start(
+            actor, request.tenant, request.start_request_id, request.reason
+        )
+        runtime.event(
+            "request.cancel",
+            tenant=request.tenant,
+            actor=actor,
+            start_request_id=request.start_request_id,
+            result=outcome.result.value,
+            message=outcome.message,
+        )
+
+    async def commit_starts(
+        self,
+        valid: Sequence[tuple[broker.Delivery, StartRequest]],
+        quarantine: list[dict[str, Any]],
+    ) -> None:
+        """One transaction for a run of start requests; the caller acks after it."""
+        if not valid and not quarantine:
+            return
         async with self.db.transaction(self.lease) as tx:
+            keys = {
+                "tenant": [s.tenant for _, s in valid],
+                "start_request_id": [s.start_request_id for _, s in valid],
+            }
+            await tx.rows("start_locks", keys)
+            tombstoned = {
+                (r["tenant"], r["start_request_id"])
+                for r in await tx.rows("start_tombstones_for", keys)
+            }
+            late = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) in tombstoned]
+            for _, s in late:
+                await tx.run(
+                    "start_tombstone_late",
+                    {"tenant": s.tenant, "start_request_id": s.start_request_id},
+                )
+                runtime.event(
+                    "start.cancelled_before_start",
+                    tenant=s.tenant,
+                    start_request_id=s.start_request_id,
+                )
+            valid = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) not in tombstoned]
             ids = [identity.instance_id(s.tenant, s.start_request_id) for _, s in valid]
             existing = {r["id"]: r for r in await tx.rows("instances_get", {"ids": ids})}
             instances, plans, seen = [], [], set()
@@ -380,7 +441,8 @@ def _quarantine_row(
 
 async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
     async with engine.context(settings, ACTOR, health, consumes=True) as ctx:
-        committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog)
+        roles = authz.load(Path(settings.operators_file))
+        committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog, roles)
         waker = runtime.Waker(settings.poll_interval_s)
 
         async def starts() -> None:
@@ -390,7 +452,7 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
                 settings=settings,
                 stop=stop,
                 worker=ACTOR,
-                handle=committer.commit_starts,
+                handle=committer.commit_requests,
                 on_fenced=ctx.reacquire,
             )
 

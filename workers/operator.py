@@ -207,6 +207,147 @@ class Operator:
             actor, action, instance_id or "*", reason, {"instance_id": instance_id}, body
         )
 
+    async def cancel_instance(self, actor: str, instance_id: str, reason: str) -> Outcome:
+        """Cancel an instance: a request to settle its work consistently with the
+        executors' durable state. Unresolved operations become ``cancelling`` and a
+        cancel goes to each pinned executor; they stay ``cancelling`` until
+        authoritative evidence. Repeating it re-sends the cancels."""
+
+        async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
+            inst = (
+                await tx.one("instance_for_update", {"id": instance_id})
+                if _is_uuid(instance_id)
+                else None
+            )
+            if inst is None:
+                raise _Refused(Result.NOT_FOUND, f"no instance {instance_id}")
+            self._authorize(actor, "cancel", inst["tenant"], reason)
+            data = await cancel_in(tx, inst, actor, reason)
+            return (
+                f"instance {instance_id} is {data['instance_status']}; "
+                f"{len(data['cancelling'])} operation(s) cancelling",
+                inst["tenant"],
+                data,
+            )
+
+        return await self._run(
+            actor, "cancel", instance_id, reason, {"instance_id": instance_id}, body
+        )
+
+    async def cancel_start(
+        self, actor: str, tenant: str, start_request_id: str, reason: str
+    ) -> Outcome:
+        """Cancel a start request: its instance if it exists, otherwise a durable
+        tombstone, so that a late start creates nothing."""
+
+        async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
+            if not _is_uuid(start_request_id):
+                raise _Refused(Result.NOT_FOUND, f"{start_request_id!r} is not a start request id")
+            self._authorize(actor, "cancel-start", tenant, reason)
+            keys = {"tenant": tenant, "start_request_id": start_request_id}
+            await tx.rows(
+                "start_locks", {"tenant": [tenant], "start_request_id": [start_request_id]}
+            )
+            found = await tx.one("instance_by_start", keys)
+            if found is not None:
+                inst = await tx.one("instance_for_update", {"id": found["id"]})
+                assert inst is not None
+                self._authorize(actor, "cancel", tenant, reason)
+                data = await cancel_in(tx, inst, actor, reason)
+                return (
+                    f"start {start_request_id} had created instance {inst['id']}: it is "
+                    f"{data['instance_status']}",
+                    tenant,
+                    data,
+                )
+            await tx.run("start_tombstone_insert", {**keys, "actor": actor, "reason": reason})
+            return (
+                f"start {start_request_id} is tombstoned: if it arrives, it creates nothing",
+                tenant,
+                {"start_request_id": start_request_id, "tombstoned": True},
+            )
+
+        return await self._run(
+            actor,
+            "cancel-start",
+            f"{tenant}/{start_request_id}",
+            reason,
+            {"tenant": tenant, "start_request_id": start_request_id},
+            body,
+        )
+
+
+async def cancel_in(tx: db.Tx, inst: dict[str, Any], actor: str, reason: str) -> dict[str, Any]:
+    """The cancellation transition of one locked instance, inside the caller's transaction."""
+    status = inst["status"]
+    if status in ("completed", "failed", "cancelled"):
+        raise _Refused(Result.REFUSED, f"instance {inst['id']} is already {status}", inst["tenant"])
+    await tx.run("instance_set_cancelling", {"id": inst["id"]})
+    cancelling, cancelled = [], []
+    for row in await tx.rows("instance_unresolved", {"id": inst["id"]}):
+        current = lifecycle.Status(row["status"])
+        if current is lifecycle.Status.CANCELLING:
+            target: lifecycle.Status = current  # a repeated cancel re-sends the command
+        else:
+            nxt = lifecycle.next_status(current, lifecycle.Event.CANCEL)
+            assert isinstance(nxt, lifecycle.Status)
+            target = nxt
+            if (
+                await tx.run(
+                    "operation_cancel",
+                    {"id": row["id"], "expected": current.value, "status": target.value},
+                )
+                != 1
+            ):
+                raise RuntimeError("operation changed under its row lock")
+        if target is lifecycle.Status.CANCELLED:
+            # retry_waiting with effect none: nothing is in flight, nothing to ask
+            await tx.run("node_finish", {"operation_id": row["id"], "status": "cancelled"})
+            cancelled.append(str(row["id"]))
+        else:
+            count = await tx.one(
+                "queries_issued", {"id": row["id"], "attempt": row["attempt"], "kind": "cancel"}
+            )
+            rows = adapter.cancel(
+                adapter.Pinned.from_row(row),
+                reason=reason,
+                sequence=int(count["n"]) + 1 if count else 1,
+            )
+            await tx.run("attempt_insert", rows.attempt_row)
+            await tx.run("outbox_insert", rows.outbox_row)
+            cancelling.append(str(row["id"]))
+        await _history(
+            tx, row, f"operation.{target.value}", actor, {"from": current.value, "reason": reason}
+        )
+    await tx.run(
+        "history_insert",
+        {
+            "instance_id": inst["id"],
+            "operation_id": None,
+            "event": "instance.cancelling",
+            "detail": db.jsonb({"reason": reason}),
+            "actor": actor,
+        },
+    )
+    settled = await tx.run("instance_settle_cancel", {"id": inst["id"]})
+    if settled:
+        await tx.run(
+            "history_insert",
+            {
+                "instance_id": inst["id"],
+                "operation_id": None,
+                "event": "instance.cancelled",
+                "detail": db.jsonb({}),
+                "actor": actor,
+            },
+        )
+    return {
+        "instance_id": inst["id"],
+        "instance_status": "cancelled" if settled else "cancelling",
+        "cancelling": cancelling,
+        "cancelled": cancelled,
+    }
+
 
 async def new_attempt(
     tx: db.Tx, row: dict[str, Any], actor: str, reason: str

@@ -65,6 +65,9 @@ class Call:
 
 
 Handler = Callable[[Call], Awaitable[Mapping[str, Any]]]
+# May the accepted, not yet completed command still be prevented? (default: yes — its
+# handler has not run, so there is no effect to undo)
+CancelHook = Callable[[Call], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,11 @@ class Participant:
         handlers: Mapping[str, Handler],
         settings: Settings,
         database: db.Database,
+        cancel_hooks: Mapping[str, CancelHook] | None = None,
     ) -> None:
         self.me = me
         self.handlers = dict(handlers)
+        self.cancel_hooks = dict(cancel_hooks or {})
         self.settings = settings
         self.db = database
 
@@ -139,6 +144,7 @@ class Participant:
         reemit: list[str] = []
         queries: list[QueryCommand] = []
         conflict_answers: list[OperationReceipt] = []  # not journaled: not about our work
+        cancels: list[tuple[broker.Delivery, CancelCommand]] = []
         async with self.db.transaction() as tx:
             commands: list[tuple[broker.Delivery, Any]] = []
             for d in deliveries:
@@ -168,13 +174,15 @@ class Participant:
                     decisions.append("query")
                     continue
                 if isinstance(c, CancelCommand):
-                    refused.append(_refused(d, "unsupported_kind", "cancel is not handled yet"))
-                    decisions.append("refused")
+                    cancels.append((d, c))
+                    decisions.append("cancel")
                     continue
                 known = stored.get(c.request_id)
                 known_digest = known["digest"] if known else batch_seen.get(c.request_id)
-                if known_digest is None and c.request_id in tombstoned:
+                if c.request_id in tombstoned:
+                    # cancelled before acceptance: refused, answered with the cancellation
                     refused.append(_refused(d, "tombstoned", "cancelled before acceptance"))
+                    reemit.append(c.request_id)
                     decisions.append("tombstoned")
                     continue
                 if known_digest is None:
@@ -255,6 +263,12 @@ class Participant:
                         "owner_revision": [1 for _ in fresh],
                     },
                 )
+            for d, c in cancels:
+                receipt = await self._cancel(tx, c, refused, conflicts, d)
+                if receipt is None:
+                    reemit.append(c.submit_request_id)
+                else:
+                    receipts.append(receipt)
             answers = await self._answers(tx, queries)
             await self._emit(tx, receipts, answers, unjournaled=conflict_answers)
             await tx.run("p_reemit_latest", {"ids": reemit})
@@ -266,6 +280,86 @@ class Participant:
         for row in refused:
             metrics.quarantined(f"participant.{self.me.owner}", row["reason"])
         return decisions
+
+    async def _cancel(
+        self,
+        tx: db.Tx,
+        c: CancelCommand,
+        refused: list[dict[str, Any]],
+        conflicts: list[dict[str, Any]],
+        d: broker.Delivery,
+    ) -> OperationReceipt | None:
+        """Settle a cancel against our durable state: a tombstone before acceptance,
+        ``cancelled`` if the accepted work can still be prevented, otherwise the real
+        state (None: re-emit our latest receipt). One row lock decides races."""
+        identity_ = {
+            "request_id": c.submit_request_id,
+            "tenant": c.tenant,
+            "operation_id": c.operation_id,
+            "attempt": c.attempt,
+        }
+        row = await tx.one("p_inbox_lock", {"id": c.submit_request_id})
+        if row is None:
+            await tx.run("p_tombstone_insert", {**identity_, "reason": c.reason})
+            won = await tx.rows(
+                "p_inbox_tombstoned",
+                {
+                    **identity_,
+                    "operation": c.operation,
+                    "digest": c.digest,
+                    "command": db.jsonb(c.model_dump(mode="json")),
+                },
+            )
+            if won:
+                return _receipt(
+                    identity_,
+                    self.me,
+                    status="cancelled",
+                    effect="none",
+                    revision=1,
+                    in_reply_to=c.request_id,
+                    digest=c.digest,
+                )
+            row = await tx.one("p_inbox_lock", {"id": c.submit_request_id})  # a submit won
+            assert row is not None
+        if row["digest"] != c.digest:
+            conflicts.append(
+                {
+                    "request_id": c.submit_request_id,
+                    "stored_digest": row["digest"],
+                    "received_digest": c.digest,
+                    "command": db.jsonb(c.model_dump(mode="json")),
+                }
+            )
+            refused.append(_refused(d, "digest_conflict", "cancel for other work under this id"))
+            return None
+        if row["status"] != "accepted":
+            return None  # settled already: the real state is the answer
+        hook = self.cancel_hooks.get(row["operation"])
+        call = Call(
+            tx=tx,
+            tenant=row["tenant"],
+            operation_id=row["operation_id"],
+            request_id=row["request_id"],
+            attempt=row["attempt"],
+            operation=row["operation"],
+            input=row["command"]["input"],
+        )
+        if hook is not None and not await hook(call):
+            return None  # the effect can no longer be prevented: the engine keeps cancelling
+        revision = int(row["owner_revision"]) + 1
+        await tx.run(
+            "p_inbox_cancel", {"request_id": row["request_id"], "owner_revision": revision}
+        )
+        return _receipt(
+            row,
+            self.me,
+            status="cancelled",
+            effect="none",
+            revision=revision,
+            in_reply_to=c.request_id,
+            digest=row["digest"],
+        )
 
     def _refusal(self, c: SubmitCommand | QueryCommand | CancelCommand) -> tuple[str, str] | None:
         if c.target.owner != self.me.owner or c.target.binding not in self.me.bindings:
@@ -433,6 +527,7 @@ async def serve(
     health: runtime.Health,
     *,
     schema: str,
+    cancel_hooks: Mapping[str, CancelHook] | None = None,
 ) -> None:
     """Run a participant: acceptance consumer, executor and receipt publisher."""
     database = db.Database(
@@ -442,7 +537,7 @@ async def serve(
     await database.open()
     await amqp.connect()
     health.checks["broker"] = lambda: amqp.connected
-    part = Participant(me, handlers, settings, database)
+    part = Participant(me, handlers, settings, database, cancel_hooks)
     exec_waker = runtime.Waker(settings.poll_interval_s)
     pub_waker = runtime.Waker(settings.poll_interval_s)
     pub = publisher.OutboxPublisher(

@@ -44,6 +44,7 @@ class _Writes:
     successors: list[dict[str, Any]]
     suspend: list[dict[str, Any]]
     unsuspend: list[dict[str, Any]]
+    settle: list[dict[str, Any]]
     latencies: list[float]
     verdicts: list[str]
 
@@ -77,7 +78,7 @@ class ReceiptConsumer:
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Validate and apply a batch in one transaction; returns each delivery's verdict."""
-        w = _Writes([], [], [], [], [], [], [], [], [], [])
+        w = _Writes([], [], [], [], [], [], [], [], [], [], [])
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
@@ -115,6 +116,18 @@ class ReceiptConsumer:
             await tx.run_many("successor_insert", w.successors)
             await tx.run_many("instance_suspend", w.suspend)
             await tx.run_many("instance_unsuspend", w.unsuspend)
+            for settle in w.settle:
+                if await tx.run("instance_settle_cancel", settle):
+                    await tx.run(
+                        "history_insert",
+                        {
+                            "instance_id": settle["id"],
+                            "operation_id": None,
+                            "event": "instance.cancelled",
+                            "detail": db.jsonb({}),
+                            "actor": ACTOR,
+                        },
+                    )
             await tx.run_many("history_insert", w.history)
         faults.crash_point("receipts_after_commit_before_ack")
         for row in w.quarantine:
@@ -254,6 +267,11 @@ class ReceiptConsumer:
         if terminal:
             w.latencies.append((datetime.now(UTC) - row["created_at"]).total_seconds())
             w.nodes.append({"operation_id": op.id, "status": decision.status.value})
+            if op.status is lifecycle.Status.CANCELLING:
+                # a success that wins the race stays succeeded, but the cancelled
+                # instance gets no successors
+                w.settle.append({"id": row["instance_id"]})
+                return
             nxt = self._successor(row, decision.status)
             if nxt is not None:
                 w.successors.append(

@@ -277,6 +277,7 @@ def test_render_input_fills_the_deployed_charge_node() -> None:
         "order_id": "o-1",
         "amount_cents": 1999,
         "reservation": "r-9",
+        "flaky": None,  # "$input.flaky?": optional, absent → null
     }
 
 
@@ -338,7 +339,7 @@ def test_a_reference_to_data_that_is_not_there_raises_input_error(
 
 
 def test_a_node_without_a_retry_policy_never_retries() -> None:
-    assert process.parse(ORDER, ROUTES).node("charge").retry is None
+    assert process.parse(ORDER, ROUTES).node("reserve").retry is None
 
 
 def test_a_retry_policy_allows_listed_errors_up_to_max_attempts() -> None:

@@ -1,0 +1,279 @@
+"""workers.runtime.JsonFormatter: one JSON object per line, stable keys, never a crash.
+
+Lines go through the real ``runtime.event`` path into a handler with the real formatter,
+and are checked against tests/fixtures/log_event.schema.json with ``check-jsonschema``
+(installed into .venv-tools by scripts/install-lint-tools.sh), the same schema the
+acceptance tier applies to real worker logs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import io
+import json
+import logging
+import re
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers import runtime
+from workers.config import ROOT
+
+SCHEMA = ROOT / "tests" / "fixtures" / "log_event.schema.json"
+CHECK_JSONSCHEMA = ROOT / ".venv-tools" / "bin" / "check-jsonschema"
+STABLE = ("ts", "level", "event", "logger")
+EVENT_NAME = re.compile(json.loads(SCHEMA.read_text())["properties"]["event"]["pattern"])
+
+
+@pytest.fixture
+def stream() -> Iterator[io.StringIO]:
+    """The ``custody`` logger writing through the real JsonFormatter into a buffer."""
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(runtime.JsonFormatter())
+    logger = logging.getLogger("custody")
+    old_level, old_propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        yield buffer
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate
+
+
+def lines_of(buffer: io.StringIO) -> list[str]:
+    text = buffer.getvalue()
+    assert text.endswith("\n"), f"a log line must end with a newline: {text!r}"
+    return text.splitlines()
+
+
+def one_object(buffer: io.StringIO) -> dict[str, Any]:
+    lines = lines_of(buffer)
+    assert len(lines) == 1, f"one event must be exactly one line, got {len(lines)}: {lines}"
+    obj = json.loads(lines[0])
+    assert isinstance(obj, dict), lines[0]
+    return obj
+
+
+def schema_errors(objects: list[dict[str, Any]], tmp_path: Path) -> str:
+    """check-jsonschema's complaints about each object ('' when all are valid)."""
+    assert CHECK_JSONSCHEMA.exists(), (
+        f"{CHECK_JSONSCHEMA} is missing: run `bash scripts/install-lint-tools.sh`"
+    )
+    files = []
+    for i, obj in enumerate(objects):
+        path = tmp_path / f"line-{i:03d}.json"
+        path.write_text(json.dumps(obj))
+        files.append(str(path))
+    done = subprocess.run(
+        [str(CHECK_JSONSCHEMA), "--schemafile", str(SCHEMA), *files],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return "" if done.returncode == 0 else done.stdout + done.stderr
+
+
+def test_the_schema_itself_is_a_valid_draft_2020_12_schema() -> None:
+    assert CHECK_JSONSCHEMA.exists(), "run `bash scripts/install-lint-tools.sh`"
+    done = subprocess.run(
+        [str(CHECK_JSONSCHEMA), "--check-metaschema", str(SCHEMA)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_an_event_with_fields_is_one_json_line_with_the_stable_keys(
+    stream: io.StringIO, tmp_path: Path
+) -> None:
+    runtime.event(
+        "outbox.publish_failed",
+        logging.WARNING,
+        owner="engine",
+        failed=3,
+        first_error="returned: NO_ROUTE\nsecond line",
+        ratio=0.25,
+        ok=False,
+        nothing=None,
+        nested={"a": [1, 2]},
+    )
+    obj = one_object(stream)
+    assert list(obj)[:4] == list(STABLE), f"stable keys first, in order: {list(obj)}"
+    assert isinstance(obj["ts"], float) and obj["ts"] > 1_600_000_000
+    assert obj["level"] == "warning"
+    assert obj["event"] == "outbox.publish_failed"
+    assert EVENT_NAME.match(obj["event"])
+    assert obj["logger"] == "custody"
+    assert obj["owner"] == "engine" and obj["failed"] == 3 and obj["ratio"] == 0.25
+    assert obj["first_error"] == "returned: NO_ROUTE\nsecond line", "newlines escaped, kept"
+    assert obj["ok"] is False and obj["nothing"] is None and obj["nested"] == {"a": [1, 2]}
+    assert not schema_errors([obj], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("level", "name"),
+    [
+        (logging.DEBUG, "debug"),
+        (logging.INFO, "info"),
+        (logging.WARNING, "warning"),
+        (logging.ERROR, "error"),
+        (logging.CRITICAL, "critical"),
+    ],
+)
+def test_levels_are_lower_case_names(stream: io.StringIO, level: int, name: str) -> None:
+    runtime.event("worker.started", level, worker="committer")
+    assert one_object(stream)["level"] == name
+
+
+def test_an_exception_is_included_as_a_string_on_the_same_line(
+    stream: io.StringIO, tmp_path: Path
+) -> None:
+    try:
+        raise ValueError("boom\nwith a second line")
+    except ValueError:
+        logging.getLogger("custody").exception(
+            "worker.crashed", extra={"fields": {"worker": "receipts", "error": "ValueError"}}
+        )
+    obj = one_object(stream)
+    assert obj["event"] == "worker.crashed" and obj["level"] == "error"
+    assert obj["worker"] == "receipts"
+    assert isinstance(obj["exc"], str)
+    assert "Traceback (most recent call last)" in obj["exc"]
+    assert "ValueError: boom" in obj["exc"] and "test_logging.py" in obj["exc"]
+    assert not schema_errors([obj], tmp_path)
+
+
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque thing>"
+
+
+def test_non_json_serialisable_fields_do_not_crash_the_formatter(
+    stream: io.StringIO, tmp_path: Path
+) -> None:
+    when = dt.datetime(2024, 5, 1, 12, 30, tzinfo=dt.UTC)
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    runtime.event(
+        "unit.retry",
+        logging.WARNING,
+        when=when,
+        ident=ident,
+        amount=decimal.Decimal("12.50"),
+        raw=b"\x00\xffbytes",
+        tags={"b"},
+        path=Path("/tmp/x"),
+        error=RuntimeError("db down"),
+        thing=_Opaque(),
+        nested={"at": when, "ids": (ident,)},
+    )
+    obj = one_object(stream)
+    assert obj["event"] == "unit.retry"
+    assert obj["when"] == str(when)
+    assert obj["ident"] == str(ident)
+    assert obj["amount"] == "12.50"
+    assert isinstance(obj["raw"], str)
+    assert obj["tags"] == "{'b'}"
+    assert obj["path"] == "/tmp/x"
+    assert obj["error"] == "db down"
+    assert obj["thing"] == "<opaque thing>"
+    assert obj["nested"] == {"at": str(when), "ids": [str(ident)]}
+    assert not schema_errors([obj], tmp_path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: JsonFormatter's json.dumps(default=str) calls str() on the value; a field whose "
+    "str() raises makes logging print a non-JSON '--- Logging error ---' traceback to stderr "
+    "and the event is lost",
+)
+def test_a_field_whose_str_raises_still_yields_one_json_line(stream: io.StringIO) -> None:
+    class Hostile:
+        def __str__(self) -> str:
+            raise RuntimeError("no str for you")
+
+        __repr__ = __str__
+
+    runtime.event("unit.retry", logging.WARNING, thing=Hostile(), attempt=2)
+    obj = one_object(stream)
+    assert obj["event"] == "unit.retry" and obj["attempt"] == 2
+    assert isinstance(obj["thing"], str)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: JsonFormatter passes fields to json.dumps(default=str); a dict field with "
+    "non-string keys (tuple, frozenset) raises TypeError (default= is not applied to keys), "
+    "so logging prints a non-JSON '--- Logging error ---' traceback to stderr",
+)
+def test_a_dict_field_with_non_string_keys_does_not_crash_the_formatter(
+    stream: io.StringIO,
+) -> None:
+    runtime.event("outbox.stats", counts={("engine", "pending"): 3, 7: 1})
+    obj = one_object(stream)
+    assert obj["event"] == "outbox.stats"
+    assert isinstance(obj["counts"], dict) and len(obj["counts"]) == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: JsonFormatter uses json.dumps' default allow_nan=True, so a NaN or infinite "
+    "float field is written as the bare token NaN/Infinity: not JSON (RFC 8259), rejected by "
+    "strict parsers (jq, Loki/Elastic JSON pipelines)",
+)
+def test_nan_and_infinity_are_not_written_as_invalid_json(stream: io.StringIO) -> None:
+    runtime.event("metrics.sampled", ratio=float("nan"), age=float("-inf"))
+    line = lines_of(stream)[0]
+    constants: list[str] = []
+    obj = json.loads(line, parse_constant=constants.append)
+    assert obj["event"] == "metrics.sampled"
+    assert not constants, f"non-JSON constants {constants} in {line}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: JsonFormatter does payload.update(fields) after setting the stable keys, so "
+    "a field named ts, event or logger replaces them (level cannot be passed to event())",
+)
+def test_fields_cannot_replace_the_stable_keys(stream: io.StringIO) -> None:
+    runtime.event("worker.started", ts="yesterday", logger="someone-else", worker="x")
+    obj = one_object(stream)
+    assert obj["event"] == "worker.started"
+    assert obj["logger"] == "custody"
+    assert isinstance(obj["ts"], float)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: records of third-party loggers (aio_pika, aiormq, psycopg.pool, asyncio) "
+    "keep their free-text message as 'event' (e.g. 'Connection attempt to \"amqp://...\" "
+    "failed: ...'), which is not a stable dotted event name",
+)
+def test_a_third_party_record_gets_a_stable_event_name_and_keeps_its_message(
+    tmp_path: Path,
+) -> None:
+    record = logging.LogRecord(
+        "aio_pika.robust_connection",
+        logging.WARNING,
+        __file__,
+        1,
+        'Connection attempt to "%s" failed: %s. Reconnecting after %r seconds.',
+        ("amqp://guest:******@127.0.0.1:5672/", "ConnectionResetError", 5),
+        None,
+    )
+    obj = json.loads(runtime.JsonFormatter().format(record))
+    assert obj["logger"] == "aio_pika.robust_connection"
+    assert "Connection attempt" in json.dumps(obj), "the library's message is kept"
+    assert not schema_errors([obj], tmp_path)
