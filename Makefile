@@ -36,6 +36,7 @@ bench: install services
 	$(BIN)/python -m bench.run
 
 schemas: install
+	$(BIN)/python scripts/gen_docs.py
 	$(BIN)/custody contracts schemas
 
 clean:

@@ -104,7 +104,7 @@ UPDATE outbox o
                  WHERE b.status = 'pending' AND b.next_attempt_at <= now()
                    AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
                    AND (b.kind <> 'submit' OR (
-                        NOT (SELECT dispatch_paused FROM control)
+                        NOT %(held)s AND NOT (SELECT dispatch_paused FROM control)
                         AND NOT EXISTS (SELECT 1 FROM operations op
                                           JOIN instances i ON i.id = op.instance_id
                                          WHERE op.id = b.operation_id AND i.dispatch_paused)))
@@ -505,3 +505,65 @@ RETURNING request_id::text;
 UPDATE inbox SET status = 'cancelled', effect = 'none', owner_revision = %(owner_revision)s,
                  completed_at = now()
  WHERE request_id = %(request_id)s AND status = 'accepted';
+
+-- Restore runbook and retention ---------------------------------------------------
+
+-- name: control_mark_restored
+UPDATE control SET dispatch_paused = true, restore_generation = restore_generation + 1,
+                   updated_at = now()
+RETURNING restore_generation;
+
+-- name: restore_candidates
+-- Every operation of the restored state that is not settled and not already asked.
+SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
+       lineage, attempt, digest, status::text, effect::text, deadline_seconds
+  FROM operations
+ WHERE status IN ('pending', 'dispatched', 'accepted', 'outcome_unknown', 'reconcile_pending')
+   AND NOT (id = ANY(%(done)s))
+ ORDER BY id
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
+
+-- name: operations_count_by_status
+SELECT count(*) AS n FROM operations WHERE status::text = ANY(%(statuses)s);
+
+-- name: attempts_known
+SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
+
+-- name: p_journal
+SELECT request_id::text, tenant, operation_id::text, attempt, operation, status, effect,
+       owner_revision, accepted_at, completed_at
+  FROM inbox ORDER BY accepted_at;
+
+-- name: retention_receipts
+DELETE FROM receipt_inbox r
+ WHERE r.ctid IN (SELECT r2.ctid FROM receipt_inbox r2 JOIN operations o ON o.id = r2.operation_id
+                   WHERE r2.received_at < now() - make_interval(secs => %(horizon)s)
+                     AND o.status IN ('succeeded', 'failed', 'cancelled')
+                   LIMIT %(limit)s);
+
+-- name: retention_outbox
+DELETE FROM outbox WHERE ctid IN (
+  SELECT ctid FROM outbox WHERE status = 'published'
+     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
+
+-- name: retention_quarantine
+DELETE FROM quarantine WHERE ctid IN (
+  SELECT ctid FROM quarantine WHERE received_at < now() - make_interval(secs => %(horizon)s)
+   LIMIT %(limit)s);
+
+-- name: p_retention_inbox
+-- A settled command's identity, its receipts and its tombstone are forgotten only
+-- after the horizon: until then a replay is deduplicated, never executed again.
+WITH old AS (
+  SELECT request_id FROM inbox
+   WHERE status <> 'accepted' AND completed_at < now() - make_interval(secs => %(horizon)s)
+   LIMIT %(limit)s
+), r AS (DELETE FROM receipts WHERE request_id IN (SELECT request_id FROM old)),
+   t AS (DELETE FROM tombstones WHERE request_id IN (SELECT request_id FROM old))
+DELETE FROM inbox WHERE request_id IN (SELECT request_id FROM old);
+
+-- name: p_retention_outbox
+DELETE FROM outbox WHERE ctid IN (
+  SELECT ctid FROM outbox WHERE status = 'published'
+     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);

@@ -137,6 +137,11 @@ class CpuWindow:
     def accounted(self) -> float:
         return sum(r.seconds for r in self.rows)
 
+    @property
+    def own(self) -> float:
+        """CPU of this run's processes, the broker and the database (not "other")."""
+        return sum(r.seconds for r in self.rows if r.group != "other")
+
 
 class Probe:
     """Samples the CPU time of every process on the machine: the ones this run started
@@ -864,6 +869,7 @@ class Machine:
     postgres: str
     libraries: str
     load_before: str
+    revision: str
 
 
 def _read(path: str) -> str:
@@ -894,7 +900,49 @@ async def machine_facts(settings: Settings) -> Machine:
         postgres=str(pg_version),
         libraries=libs,
         load_before=" ".join(_read("/proc/loadavg").split()[:3]),
+        revision=await asyncio.to_thread(_revision),
     )
+
+
+CODE_PATHS = (
+    "workers",
+    "contracts",
+    "participants",
+    "bench",
+    ":(exclude)bench/results",
+    "schema.sql",
+    "participant_schema.sql",
+    "queries.sql",
+    "deploy",
+)
+
+
+def _revision() -> str:
+    """The commit measured, and whether the code differed from it (read-only git)."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", *CODE_PATHS],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    changed = sorted({line[3:].split("/")[0] for line in dirty if line.strip()})
+    if not changed:
+        return f"commit {head}, clean"
+    return f"commit {head} with uncommitted changes in {', '.join(changed)}"
 
 
 def _command() -> str:
@@ -996,6 +1044,46 @@ def _activity_table(activity: PgActivity | None, top: int = 12) -> list[str]:
     return lines
 
 
+def _reading(window: CpuWindow, nproc: int) -> str:
+    """Where the time went, in one sentence: saturation, the busiest processes, and
+    what Postgres was doing most."""
+    capacity = nproc * window.seconds
+    busy = 100 * window.machine.busy / capacity
+    own = [r for r in window.rows if r.group != "other"]
+    workers = [r for r in own if r.group in ("custody workers", "baseline")]
+    by_group: dict[str, float] = {}
+    for r in own:
+        by_group[r.group] = by_group.get(r.group, 0.0) + r.seconds
+    parts = [
+        f"machine {busy:.0f} % busy"
+        + (" (CPU-bound as a whole)" if busy >= 90 else " (not CPU-bound: waiting somewhere)"),
+        "CPU by group "
+        + ", ".join(
+            f"{g} {100 * v / max(window.own, 1e-9):.0f} %"
+            for g, v in sorted(by_group.items(), key=lambda x: -x[1])
+        ),
+    ]
+    if workers:
+        top = workers[0]
+        parts.append(
+            f"busiest worker {top.label} ({100 * top.seconds / window.seconds:.0f} % of a core)"
+        )
+    activity = window.activity
+    if activity is not None and activity.ticks:
+        running = [
+            (k, n)
+            for k, n in activity.counts.items()
+            if not k[1].startswith("(") and not k[0].startswith("bench")
+        ]
+        if running:
+            (client, what, wait), n = max(running, key=lambda x: x[1])
+            parts.append(
+                f"Postgres busiest statement `{what}` from {client} ({wait},"
+                f" {n / activity.ticks:.2f} backends on average)"
+            )
+    return "; ".join(parts) + "."
+
+
 @dataclass
 class Report:
     started: datetime
@@ -1019,6 +1107,7 @@ class Report:
             f" load average before the run {m.load_before}",
             f"- Python {m.python}; RabbitMQ {m.rabbitmq} (Erlang {m.erlang});"
             f" PostgreSQL {m.postgres}",
+            f"- Code: {m.revision}",
             f"- Libraries: {m.libraries}",
             f"- Fleet settings: batch_size {s.batch_size}, prefetch {s.prefetch},"
             f" confirm_window {s.confirm_window}, linger_ms {s.linger_ms},"
@@ -1035,6 +1124,7 @@ class Report:
                 f"{b.seconds:.1f}",
                 f"**{b.ops_per_s:,.0f}**",
                 "1.00",
+                f"{1000 * b.cpu.own / b.ops:.1f}",
             ]
         ]
         for c in self.custody:
@@ -1046,9 +1136,20 @@ class Report:
                     f"{c.seconds:.1f}",
                     f"**{c.ops_per_s:,.0f}**",
                     f"**{c.ops_per_s / b.ops_per_s:.2f}**",
+                    f"{1000 * c.cpu.own / c.ops:.1f}",
                 ]
             )
-        lines += _table(["run", "operations", "seconds", "operations/s", "x baseline"], rows)
+        lines += _table(
+            [
+                "run",
+                "operations",
+                "seconds",
+                "operations/s",
+                "x baseline",
+                "CPU ms / operation",
+            ],
+            rows,
+        )
         lines += [
             "",
             "An operation is one call to a participant: for the baseline a command and its"
@@ -1056,7 +1157,15 @@ class Report:
             " each through an outbox, applied with validation and history. Baseline"
             f" window: first outbox insert to last reply applied ({b.warmup} warm-up"
             " operations before it). Custody window: the first start request published"
-            " to the last instance finished (database clock).",
+            " to the last instance finished (database clock). CPU ms / operation: the CPU"
+            " time of this run's processes, the broker and the database in the window, per"
+            " operation (other workloads on the machine excluded); on a saturated machine,"
+            " operations/s is about cores x 1000 / this.",
+            "",
+        ]
+        for c in self.custody:
+            lines.append(f"- custody r{c.replicas}: {_reading(c.cpu, m.nproc)}")
+        lines += [
             "",
             "## Latency",
             "",

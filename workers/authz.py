@@ -10,7 +10,9 @@ from typing import Final
 
 from workers.errors import ConfigError
 
-ACTIONS: Final = frozenset({"reconcile", "retry-safe", "pause", "resume", "cancel", "cancel-start"})
+ACTIONS: Final = frozenset(
+    {"reconcile", "retry-safe", "pause", "resume", "cancel", "cancel-start", "restore"}
+)
 ALL_TENANTS: Final = "*"
 MIN_REASON: Final = 8
 

@@ -22,7 +22,7 @@ import orjson
 
 from contracts import codec
 from contracts.models import StartRequest
-from workers import broker, db, engine, errors, runtime
+from workers import broker, db, engine, errors, retention, runtime
 from workers.config import ROOT, Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
@@ -133,7 +133,8 @@ async def run_participant(settings: Settings, name: str | None) -> int:
     if not name or name not in samples.HANDLERS:
         print(f"--name must be one of {sorted(samples.HANDLERS)}", file=sys.stderr)
         return EXIT_USAGE
-    table, _ = engine.load_config(settings)
+    table, catalog = engine.load_config(settings)
+    retention.check(settings, catalog)
     owned = table.owned_by(name)
     principals = {r.principal for r in owned}
     if len(principals) != 1:
@@ -398,6 +399,70 @@ def _uuid(value: str) -> bool:
     return True
 
 
+async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
+    from workers import operator, restore
+
+    step = args.restore_command
+    if step == "report":
+        engine_db = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
+        table, _ = engine.load_config(settings)
+        journals = {
+            owner: db.Database(
+                settings.participant_database_url,
+                schema=participant_schema(owner),
+                name="cli",
+                max_size=1,
+            )
+            for owner in sorted({r.owner for r in table.by_name.values()})
+        }
+        for d in (engine_db, *journals.values()):
+            await d.open()
+        try:
+            result = await restore.report(engine_db, journals)
+        finally:
+            for d in (engine_db, *journals.values()):
+                await d.close()
+        _print(result, True)
+        return EXIT_OK
+    actor = _actor(args)
+
+    async def call(op: operator.Operator) -> operator.Outcome:
+        runbook = restore.Restore(op)
+        if step == "mark-restored":
+            return await runbook.mark_restored(actor, args.reason)
+        if step == "reconcile":
+            return await runbook.reconcile(actor, args.reason)
+        return await runbook.resume(actor, args.reason, args.force)
+
+    return await _operator_command(settings, args, call)
+
+
+async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
+    _, catalog = engine.load_config(settings)
+    retention.check(settings, catalog)
+    if args.participant:
+        database = db.Database(
+            settings.participant_database_url,
+            schema=participant_schema(args.participant),
+            name="cli",
+            max_size=1,
+        )
+        await database.open()
+        try:
+            removed = await retention.cleanup_participant(database, settings.retention_s)
+        finally:
+            await database.close()
+    else:
+        database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
+        await database.open()
+        try:
+            removed = await retention.cleanup_engine(database, settings.retention_s)
+        finally:
+            await database.close()
+    _print({"horizon_s": settings.retention_s, "removed": removed}, args.json)
+    return EXIT_OK
+
+
 async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     _print(settings.redacted(), True)
     return EXIT_OK
@@ -546,6 +611,38 @@ def parser() -> argparse.ArgumentParser:
         v.add_argument("--instance")
         operator_args(v)
         v.set_defaults(fn=cmd_dispatch)
+
+    rp = sub.add_parser("restore", help="the restore runbook (README: Restore)").add_subparsers(
+        dest="restore_command", required=True
+    )
+    for step, text in (
+        ("mark-restored", "after restoring the database: hold dispatch, bump the generation"),
+        ("reconcile", "query the pinned executor of every unsettled operation"),
+        ("resume", "resume effect dispatch (refused while queries are unanswered)"),
+    ):
+        rs_ = rp.add_parser(step, help=text)
+        operator_args(rs_)
+        if step == "resume":
+            rs_.add_argument(
+                "--force", action="store_true", help="resume although queries are unanswered"
+            )
+        rs_.set_defaults(fn=cmd_restore)
+    rp.add_parser("report", help="participant journals against engine rows (JSON)").set_defaults(
+        fn=cmd_restore
+    )
+
+    rt = (
+        sub.add_parser("retention")
+        .add_subparsers(dest="r", required=True)
+        .add_parser(
+            "cleanup",
+            help="remove history older than CUSTODY_RETENTION_S, in batches "
+            "(refused if the horizon is too short)",
+        )
+    )
+    rt.add_argument("--participant", help="a participant's history instead of the engine's")
+    rt.add_argument("--json", action="store_true")
+    rt.set_defaults(fn=cmd_retention)
 
     au = (
         sub.add_parser("audit")

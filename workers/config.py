@@ -30,6 +30,14 @@ class Settings:
     processes_dir: str = str(ROOT / "deploy" / "processes")
     operators_file: str = str(ROOT / "deploy" / "operators.toml")
     auto_reconcile_s: float = 0.0
+    # Start-up switch: no submit leaves the outbox, whatever the database says. It
+    # survives a database restore, which the database's own pause flag cannot.
+    dispatch_paused: bool = False
+    # Receipt, inbox and tombstone history is kept this long, and it must cover every
+    # permitted retry, replay and restore horizon (checked at start-up).
+    retention_s: float = 30 * 86400.0
+    replay_horizon_s: float = 7 * 86400.0
+    restore_horizon_s: float = 7 * 86400.0
     max_message_bytes: int = 256 * 1024
     batch_size: int = 200
     prefetch: int = 400
@@ -60,7 +68,7 @@ class Settings:
             if raw is None:
                 continue
             default: object = f.default
-            convert: Callable[[str], object] = type(default)
+            convert: Callable[[str], object] = _bool if isinstance(default, bool) else type(default)
             try:
                 values[f.name] = convert(raw)
             except ValueError:
@@ -86,6 +94,15 @@ class Settings:
     def redacted(self) -> dict[str, Any]:
         """The settings with every password replaced, for ``custody config show``."""
         return {k: _redact(v) if isinstance(v, str) else v for k, v in asdict(self).items()}
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
 
 
 def _redact(value: str) -> str:

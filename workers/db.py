@@ -161,8 +161,11 @@ class Database:
         await self._pool.close()
 
     @contextlib.asynccontextmanager
-    async def transaction(self, lease: Lease | None = None) -> AsyncIterator[Tx]:
-        """One transaction; with a lease, the commit is fenced by its epoch."""
+    async def transaction(
+        self, lease: Lease | None = None, *, epoch: int | None = None
+    ) -> AsyncIterator[Tx]:
+        """One transaction; with a lease, the commit is fenced by its epoch — or by
+        ``epoch``, the one a multi-step unit started under (a claim, then a mark)."""
         async with self._pool.connection() as conn:
             committing = False
             try:
@@ -170,7 +173,8 @@ class Database:
                     yield Tx(conn)
                     if lease is not None:
                         await conn.execute(
-                            "SELECT custody.fence(%s, %s)", (lease.holder, lease.epoch)
+                            "SELECT custody.fence(%s, %s)",
+                            (lease.holder, lease.epoch if epoch is None else epoch),
                         )
                     committing = True
             except psycopg.Error as exc:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import broker, metrics, process, routes, runtime
+from workers import broker, metrics, process, retention, routes, runtime
 from workers import db as dbm
 from workers.config import Settings
 
@@ -25,8 +25,10 @@ class Context:
     catalog: process.Catalog
 
     async def reacquire(self) -> None:
-        """After a fenced commit: take the lease back under a new epoch."""
-        await self.db.acquire(self.lease)
+        """After a fenced commit: take the lease back under a new epoch, unless the
+        heartbeat already did (a lease still renewable is current)."""
+        if not await self.db.renew(self.lease):
+            await self.db.acquire(self.lease)
 
     async def heartbeat(self) -> None:
         """Renew at a third of the TTL; a lease found expired is logged and re-taken
@@ -55,6 +57,7 @@ async def context(
     settings: Settings, worker: str, health: runtime.Health, *, consumes: bool = True
 ) -> AsyncIterator[Context]:
     table, catalog = load_config(settings)
+    retention.check(settings, catalog)
     database = dbm.Database(settings.database_url, schema="custody", name=worker)
     amqp = broker.Broker(settings.amqp_url, worker)
     lease = dbm.Lease(worker, ttl_s=settings.lease_ttl_s)

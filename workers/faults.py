@@ -18,20 +18,27 @@ POINTS: Final = frozenset(
         "after_commit_before_ack",
         "mid_effect",
         "receipts_after_commit_before_ack",
-        "reconciler_after_query",
     }
 )
 
 _enabled = frozenset(p for p in os.environ.get("CUSTODY_CRASH_POINTS", "").split(",") if p)
-_unknown = _enabled - POINTS
+# Stop points: the process SIGSTOPs itself there (a pause past its lease: a zombie).
+_stops = frozenset(p for p in os.environ.get("CUSTODY_STOP_POINTS", "").split(",") if p)
+_unknown = (_enabled | _stops) - POINTS
 if _unknown:
     raise RuntimeError(f"unknown crash points: {sorted(_unknown)}")
 
 
+_stopped: set[str] = set()
+
+
 def crash_point(name: str) -> None:
-    """Die here, now, without cleanup, if the test enabled this point."""
+    """Die here (SIGKILL), or freeze here once (SIGSTOP), if the test enabled this point."""
     if name in _enabled:
         os.kill(os.getpid(), signal.SIGKILL)
+    if name in _stops and name not in _stopped:
+        _stopped.add(name)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def enabled(name: str) -> bool:

@@ -50,6 +50,7 @@ class Event(enum.StrEnum):
     REJECTED = "receipt.rejected"  # refused before any effect (effect none)
     CONFLICT = "receipt.conflict"  # the owner holds other work under this identity
     DEADLINE = "deadline"
+    RESTORED = "restored"  # the engine database was restored: in-flight work may be ahead
     RECONCILE = "reconcile"
     QUERY_NONE = "query.none"  # a query found no (newer) receipt: proves nothing
     QUERY_TIMEOUT = "query.timeout"  # no answer to the query within the deadline
@@ -105,6 +106,8 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     (S.CANCELLING, E.CONFLICT): S.CANCELLING,
     # A timeout is never permission to create new work: it only suspends.
     **{(s, E.DEADLINE): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
+    # "A restored engine can predate an effect that already committed elsewhere."
+    **{(s, E.RESTORED): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
     (S.OUTCOME_UNKNOWN, E.RECONCILE): S.RECONCILE_PENDING,
     (S.RECONCILE_PENDING, E.QUERY_NONE): S.OUTCOME_UNKNOWN,
     (S.RECONCILE_PENDING, E.QUERY_TIMEOUT): S.OUTCOME_UNKNOWN,

@@ -33,12 +33,13 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import broker, consumer, db, faults, metrics, publisher, runtime
+from workers import broker, consumer, db, faults, metrics, publisher, retention, runtime
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
 AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
 MAX_EXECUTIONS = 5
+CLEANUP_EVERY_S = 60.0
 
 
 class BusinessFailure(Exception):
@@ -581,9 +582,25 @@ async def serve(
             if n < settings.batch_size:
                 await exec_waker.wait()
 
+    async def cleanup() -> None:
+        while not await stop.sleep(CLEANUP_EVERY_S):
+            removed = await runtime.redo(
+                lambda: retention.cleanup_participant(database, settings.retention_s),
+                worker=me.owner,
+                stop=stop,
+                on_fenced=nothing,
+            )
+            if any(removed.values()):
+                runtime.event("retention.cleanup", owner=me.owner, **removed)
+
     try:
         await runtime.supervise(
-            main=[consume(), execute(), publisher.loop(pub, stop, pub_waker, nothing, me.owner)]
+            main=[
+                consume(),
+                execute(),
+                publisher.loop(pub, stop, pub_waker, nothing, me.owner),
+                cleanup(),
+            ]
         )
     finally:
         await amqp.close()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers import broker, db, faults, metrics, runtime
+from workers import broker, db, errors, faults, metrics, runtime
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
@@ -34,7 +34,9 @@ class OutboxPublisher:
         batch_size: int,
         claim_ttl_s: float,
         engine: bool,
+        hold_submits: bool = False,
     ) -> None:
+        self.hold_submits = hold_submits
         self.owner = owner
         self.db = database
         self.lease = lease
@@ -48,11 +50,21 @@ class OutboxPublisher:
         async with self.db.transaction(self.lease) as tx:
             return await tx.rows(
                 "outbox_claim" if self.engine else "p_outbox_claim",
-                {"holder": self.holder, "ttl": self.claim_ttl_s, "limit": self.batch_size},
+                {
+                    "holder": self.holder,
+                    "ttl": self.claim_ttl_s,
+                    "limit": self.batch_size,
+                    "held": self.hold_submits,
+                },
             )
 
     async def run_once(self) -> int:
-        """One claim → publish → mark cycle; returns how many rows it claimed."""
+        """One claim → publish → mark cycle; returns how many rows it claimed.
+
+        The mark is fenced by the epoch the claim was made under: a publisher paused
+        past its lease (its rows may have been claimed and published by a replica
+        since) cannot mark them; it drops the batch and the claims expire."""
+        epoch = self.lease.epoch if self.lease else None
         rows = await self.claim()
         if not rows:
             return 0
@@ -70,16 +82,31 @@ class OutboxPublisher:
         outcomes = await sending
         metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - started)
         faults.crash_point("after_confirm_before_mark")
-        await self.mark(rows, outcomes)
+        try:
+            await self.mark(rows, outcomes, epoch)
+        except errors.Fenced as exc:
+            metrics.LEASE_LOSSES.labels(self.owner).inc()
+            runtime.event(
+                "lease.fenced",
+                logging.WARNING,
+                worker=ACTOR,
+                owner=self.owner,
+                epoch=epoch,
+                dropped=len(rows),
+                error=str(exc)[:300],
+            )
         return len(rows)
 
     async def mark(
-        self, rows: Sequence[dict[str, Any]], outcomes: Sequence[broker.Outcome]
+        self,
+        rows: Sequence[dict[str, Any]],
+        outcomes: Sequence[broker.Outcome],
+        epoch: int | None = None,
     ) -> None:
         by_id = {str(r["id"]): r for r in rows}
         ok = [o.message_id for o in outcomes if o.ok]
         failed = [o for o in outcomes if not o.ok]
-        async with self.db.transaction(self.lease) as tx:
+        async with self.db.transaction(self.lease, epoch=epoch) as tx:
             marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
                 moved = await tx.rows("operations_dispatched", {"ids": [r["id"] for r in marked]})
@@ -157,6 +184,7 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
             batch_size=settings.batch_size,
             claim_ttl_s=settings.lease_ttl_s,
             engine=True,
+            hold_submits=settings.dispatch_paused,
         )
         waker = runtime.Waker(settings.poll_interval_s)
         await runtime.supervise(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import db, engine, lifecycle, metrics, operator, runtime
+from workers import db, engine, lifecycle, metrics, operator, retention, runtime
 from workers.config import Settings
 
 ACTOR = "reconciler"
+CLEANUP_EVERY_S = 60.0
 
 
 class Reconciler:
@@ -140,4 +141,15 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
                 if n < settings.batch_size:
                     await stop.sleep(settings.poll_interval_s)
 
-        await runtime.supervise(main=[deadlines()], side=[ctx.heartbeat()])
+        async def cleanup() -> None:
+            while not await stop.sleep(CLEANUP_EVERY_S):
+                removed = await runtime.redo(
+                    lambda: retention.cleanup_engine(ctx.db, settings.retention_s, ctx.lease),
+                    worker=ACTOR,
+                    stop=stop,
+                    on_fenced=ctx.reacquire,
+                )
+                if any(removed.values()):
+                    runtime.event("retention.cleanup", **removed)
+
+        await runtime.supervise(main=[deadlines(), cleanup()], side=[ctx.heartbeat()])

@@ -406,7 +406,10 @@ class Proxy:
                 writer.transport.abort()
                 return
             self._links |= {writer, up_writer}
-            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+            watch = _ChannelWatch() if self.mode == "cut_on_channel" else None
+            await asyncio.gather(
+                self._pump(reader, up_writer, watch), self._pump(up_reader, writer)
+            )
         finally:
             self._links.discard(writer)
             writer.transport.abort()
@@ -654,6 +657,13 @@ async def test_a_broker_outage_turns_readyz_503_while_healthz_stays_200_and_both
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a connection lost between the AMQP handshake and the consumer's set-up kills "
+    "the worker (exit 1): Broker.consume opens its channel and sets QoS outside its try "
+    "(raw aiormq AMQPConnectionError), and consumer.run never retries a consume set-up; "
+    "meanwhile /readyz already said 200 (the 'broker' check is registered on connect)",
+)
 @pytest.mark.parametrize("worker", ["receipts", "inventory"])
 async def test_a_connection_lost_while_the_consumer_is_set_up_does_not_kill_the_worker(
     env: Env, crew: Crew, worker: str

@@ -1,0 +1,79 @@
+"""The retention horizon: how long receipts, inbox rows and tombstones are kept.
+
+"Receipt retention and deduplication history must cover every permitted retry,
+replay and restore horizon." :func:`check` refuses, at start-up, a configuration
+whose horizon is shorter; :func:`cleanup` removes what is older, in batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers import db, process
+from workers.config import Settings
+from workers.errors import ConfigError
+
+BATCH = 1000
+
+
+@dataclass(frozen=True)
+class Window:
+    seconds: float
+    where: str
+
+
+def longest_retry_window(catalog: process.Catalog) -> Window:
+    """The longest time a node may keep issuing attempts: every attempt's deadline plus
+    every backoff between them, over all nodes of all loaded definitions."""
+    longest = Window(0.0, "no node")
+    for (name, version), definition in catalog.definitions.items():
+        for node in definition.nodes.values():
+            attempts = node.retry.max_attempts if node.retry else 1
+            backoff = sum(node.retry.delay(a) for a in range(1, attempts)) if node.retry else 0.0
+            window = attempts * node.deadline_seconds + backoff
+            if window > longest.seconds:
+                longest = Window(window, f"node {node.name!r} of {name} v{version}")
+    return longest
+
+
+def check(settings: Settings, catalog: process.Catalog) -> None:
+    retry = longest_retry_window(catalog)
+    needed = retry.seconds + settings.replay_horizon_s + settings.restore_horizon_s
+    if settings.retention_s < needed:
+        raise ConfigError(
+            f"CUSTODY_RETENTION_S={settings.retention_s:g}s is shorter than the longest retry "
+            f"window ({retry.seconds:g}s, {retry.where}) + CUSTODY_REPLAY_HORIZON_S "
+            f"({settings.replay_horizon_s:g}s) + CUSTODY_RESTORE_HORIZON_S "
+            f"({settings.restore_horizon_s:g}s) = {needed:g}s: a permitted retry, replay or "
+            "restore could then find its deduplication history gone"
+        )
+
+
+async def cleanup_engine(
+    database: db.Database, horizon_s: float, lease: db.Lease | None = None
+) -> dict[str, int]:
+    removed = {"receipt_inbox": 0, "outbox": 0, "quarantine": 0}
+    for table, query in (
+        ("receipt_inbox", "retention_receipts"),
+        ("outbox", "retention_outbox"),
+        ("quarantine", "retention_quarantine"),
+    ):
+        while True:
+            async with database.transaction(lease) as tx:
+                n = await tx.run(query, {"horizon": horizon_s, "limit": BATCH})
+            removed[table] += n
+            if n < BATCH:
+                break
+    return removed
+
+
+async def cleanup_participant(database: db.Database, horizon_s: float) -> dict[str, int]:
+    removed = {"inbox": 0, "outbox": 0}
+    for table, query in (("inbox", "p_retention_inbox"), ("outbox", "p_retention_outbox")):
+        while True:
+            async with database.transaction() as tx:
+                n = await tx.run(query, {"horizon": horizon_s, "limit": BATCH})
+            removed[table] += n
+            if n < BATCH:
+                break
+    return removed
