@@ -245,3 +245,71 @@ BEGIN
       USING ERRCODE = 'CU001';
   END IF;
 END $$;
+
+-- Least privilege ------------------------------------------------------------------
+-- One role per worker type, granted only what its commit boundary needs, plus the
+-- operator CLI's role. Nobody but the owner may update or delete audit rows.
+-- Passwords (or certificates) are the deployment's business; roles are LOGIN so that
+-- a deployment can authenticate them however its pg_hba says.
+DO $$
+DECLARE r text;
+BEGIN
+  FOREACH r IN ARRAY ARRAY['custody_committer', 'custody_publisher', 'custody_receipts',
+                           'custody_reconciler', 'custody_operator'] LOOP
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
+      EXECUTE format('CREATE ROLE %I LOGIN', r);
+    END IF;
+  END LOOP;
+END $$;
+
+REVOKE ALL ON ALL TABLES IN SCHEMA custody FROM PUBLIC;
+GRANT USAGE ON SCHEMA custody TO custody_committer, custody_publisher, custody_receipts,
+  custody_reconciler, custody_operator;
+GRANT SELECT, INSERT, UPDATE, DELETE ON custody.leases TO custody_committer, custody_publisher,
+  custody_receipts, custody_reconciler;
+GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
+  custody_receipts, custody_reconciler;
+GRANT SELECT ON custody.control TO custody_committer, custody_publisher, custody_receipts,
+  custody_reconciler, custody_operator;
+
+-- transition committer: starts, successors, and authorized cancel requests
+GRANT SELECT, INSERT, UPDATE ON custody.instances, custody.node_states, custody.operations,
+  custody.start_tombstones TO custody_committer;
+GRANT SELECT, INSERT ON custody.attempts TO custody_committer;
+GRANT INSERT ON custody.outbox, custody.history, custody.quarantine, custody.audit
+  TO custody_committer;
+GRANT SELECT, UPDATE ON custody.successor_intents TO custody_committer;
+
+-- outbox publisher: claims and marks; the confirm mark moves pending → dispatched
+GRANT SELECT, UPDATE ON custody.outbox TO custody_publisher;
+GRANT SELECT ON custody.instances TO custody_publisher;
+GRANT SELECT, UPDATE ON custody.operations TO custody_publisher;
+GRANT INSERT ON custody.history TO custody_publisher;
+
+-- receipt consumer: validated result, status, revision, successor intent, quarantine
+GRANT SELECT, UPDATE ON custody.operations, custody.instances, custody.node_states
+  TO custody_receipts;
+GRANT SELECT ON custody.attempts TO custody_receipts;
+GRANT SELECT, INSERT ON custody.receipt_inbox TO custody_receipts;
+GRANT SELECT, INSERT ON custody.successor_intents TO custody_receipts;
+GRANT INSERT ON custody.quarantine, custody.history TO custody_receipts;
+
+-- reconciler: deadlines, query timeouts, retry and reconcile policies, retention
+GRANT SELECT, UPDATE ON custody.operations, custody.instances, custody.node_states
+  TO custody_reconciler;
+GRANT SELECT, INSERT ON custody.attempts TO custody_reconciler;
+GRANT SELECT, INSERT, DELETE ON custody.outbox TO custody_reconciler;
+GRANT SELECT, DELETE ON custody.receipt_inbox, custody.quarantine TO custody_reconciler;
+GRANT SELECT ON custody.successor_intents TO custody_reconciler;
+GRANT INSERT ON custody.history TO custody_reconciler;
+
+-- operator CLI: reads everything; its commands go through the same transitions
+GRANT SELECT ON ALL TABLES IN SCHEMA custody TO custody_operator;
+GRANT UPDATE ON custody.operations, custody.instances, custody.node_states, custody.control
+  TO custody_operator;
+GRANT INSERT ON custody.attempts, custody.outbox, custody.history, custody.audit,
+  custody.start_tombstones TO custody_operator;
+GRANT DELETE ON custody.receipt_inbox, custody.outbox, custody.quarantine TO custody_operator;
+
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_committer, custody_publisher,
+  custody_receipts, custody_reconciler, custody_operator;

@@ -251,12 +251,13 @@ def _statement_names() -> list[tuple[str, str]]:
 
 
 def statement_name(query: str, names: Sequence[tuple[str, str]]) -> str:
+    """The queries.sql name of a statement, or its first words."""
     flat = _normalise(query)
     for text, name in names:
         n = min(len(text), len(flat))
         if n >= 20 and flat[:n] == text[:n]:
             return name
-    return flat[:60] or "?"
+    return " ".join(query.split())[:60] or "?"
 
 
 @dataclass
@@ -1214,13 +1215,13 @@ class Report:
         for c in self.custody:
             effects = ", ".join(f"{k} {v[0]} (expected {v[1]})" for k, v in c.effects.items())
             lines.append(
-                f"- custody r{c.replicas}: {c.instances + c.warm_instances} instances finished"
+                f"- custody r{c.replicas}: {c.instances + c.warm_instances:,} instances finished"
                 f" (measured: completed {c.completed}, failed and compensated {c.failed});"
                 f" effects {effects}; duplicates {c.duplicates}; quarantined"
                 f" {c.quarantined}; shutdown exit codes {sorted(set(c.shutdown_codes))}"
             )
         lines.append(
-            f"- baseline: {b.ops + b.warmup} commands published, received and replied,"
+            f"- baseline: {b.ops + b.warmup:,} commands published, received and replied,"
             " each exactly once"
         )
         lines += ["", "## Where the CPU goes (utime + stime in the measured window)", ""]

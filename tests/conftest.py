@@ -19,14 +19,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from workers import broker, cli
+from workers import broker, cli, fleet
 from workers.config import ROOT, Settings
 from workers.demo import _with_vhost
 
 PG_ADMIN = os.environ.get("CUSTODY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 AMQP = os.environ.get("CUSTODY_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/%2F")
 MGMT = os.environ.get("CUSTODY_TEST_MGMT", "http://guest:guest@127.0.0.1:15672")
-DEV_PASSWORD = "custody-dev"
+DEV_PASSWORD = fleet.DEV_PASSWORD
 RUN = uuid.uuid4().hex[:8]
 HOW = "start them with: bash scripts/ensure-services.sh"
 
@@ -70,7 +70,7 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
 @pytest.fixture(scope="session")
 def broker_users(services: None) -> None:
     """One broker user per participant principal (permissions are set per vhost)."""
-    for name in ("inventory", "payments", "shipping"):
+    for name in ("inventory", "payments", "shipping", *broker.ENGINE_USERS):
         asyncio.run(
             broker.management(
                 MGMT, "PUT", f"/api/users/custody-{name}", {"password": DEV_PASSWORD, "tags": ""}

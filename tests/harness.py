@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,17 @@ from typing import Any
 from contracts import codec
 from contracts.models import StartRequest
 from participants import samples
-from workers import broker, committer, participant, publisher, receipts, reconciler, runtime
+from workers import (
+    broker,
+    committer,
+    db,
+    fleet,
+    participant,
+    publisher,
+    receipts,
+    reconciler,
+    runtime,
+)
 from workers.config import Settings
 
 ENGINE = ("committer", "publisher", "receipts", "reconciler")
@@ -55,6 +66,12 @@ class InProcessFleet:
         health = runtime.Health()
         if worker in PARTICIPANTS:
             s = settings or self.env.participant_settings(worker)
+            s = dataclasses.replace(
+                s,
+                participant_database_url=db.with_user(
+                    s.participant_database_url, f"custody_participant_{worker}"
+                ),
+            )
             me = participant.Identity(
                 owner=worker, principal=f"custody-{worker}", bindings=frozenset({f"{worker}.v1"})
             )
@@ -62,7 +79,13 @@ class InProcessFleet:
                 me, samples.HANDLERS[worker], s, stop, health, schema=f"participant_{worker}"
             )
         else:
-            coro = _MAINS[worker](settings or self.env.settings, stop, health)
+            s = settings or self.env.settings
+            s = dataclasses.replace(
+                s,
+                database_url=db.with_user(s.database_url, f"custody_{worker}"),
+                amqp_url=broker.url_with_user(s.amqp_url, f"custody-{worker}", fleet.DEV_PASSWORD),
+            )
+            coro = _MAINS[worker](s, stop, health)
         run = Running(worker, stop, asyncio.create_task(coro, name=worker))
         self.running.append(run)
         return run

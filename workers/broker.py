@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -314,6 +315,45 @@ async def apply_topology(
         policy_definition(delivery_limit),
     )
     return plan
+
+
+ENGINE_USERS: Final = ("committer", "publisher", "receipts", "reconciler")
+
+
+def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]]:
+    """Least privilege on the broker: (configure, write, read) per broker user.
+
+    Topology is declared by an administrator (``custody topology apply``), so no
+    worker may configure anything. ``principals`` maps each participant's broker user
+    to its binding.
+    """
+
+    def only(*names: str) -> str:
+        return "^(" + "|".join(re.escape(n) for n in names) + ")$" if names else "^$"
+
+    users = {
+        "custody-committer": ("^$", only(EXCHANGE_DEAD), only(QUEUE_REQUESTS)),
+        "custody-publisher": ("^$", only(EXCHANGE_COMMANDS), "^$"),
+        "custody-receipts": ("^$", only(EXCHANGE_DEAD), only(QUEUE_RECEIPTS)),
+        "custody-reconciler": ("^$", "^$", "^$"),
+    }
+    for principal, binding in principals.items():
+        users[principal] = (
+            "^$",
+            only(EXCHANGE_RECEIPTS, EXCHANGE_DEAD),
+            only(command_queue(binding)),
+        )
+    return users
+
+
+def url_with_user(amqp_url: str, user: str, password: str) -> str:
+    """The same broker URL (host, vhost, options), as another user."""
+    parsed = urllib.parse.urlparse(amqp_url)
+    host = parsed.hostname or "127.0.0.1"
+    netloc = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@{host}"
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    return parsed._replace(netloc=netloc).geturl()
 
 
 def vhost_of(amqp_url: str) -> str:

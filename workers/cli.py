@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import uuid
 from collections.abc import Sequence
@@ -62,6 +61,12 @@ async def migrate_participant(settings: Settings, owner: str) -> None:
     await db.apply_script(
         settings.participant_database_url, ROOT / "participants" / "samples.sql", schema=schema
     )
+    await db.grant_schema(settings.participant_database_url, schema, participant_role(owner))
+
+
+def participant_role(owner: str) -> str:
+    """The participant's own Postgres role: its schema, and nothing else."""
+    return f"custody_participant_{owner}"
 
 
 def participant_schema(owner: str) -> str:
@@ -87,23 +92,22 @@ async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
-    """Create one broker user per participant principal (development and tests)."""
+    """One broker user per engine worker type and per participant principal, with only
+    the permissions its boundary needs (development and tests: one shared password)."""
     table, _ = engine.load_config(settings)
     vhost = broker.vhost_of(settings.amqp_url)
-    for route in table.by_name.values():
+    plan = broker.permissions({r.principal: r.binding for r in table.by_name.values()})
+    for user, (configure, write, read) in plan.items():
         await broker.ensure_user(
             settings.amqp_management_url,
-            route.principal,
+            user,
             args.password,
             vhost,
-            configure="^$",
-            write=f"^({re.escape(broker.EXCHANGE_RECEIPTS)}|{re.escape(broker.EXCHANGE_DEAD)})$",
-            read=f"^{re.escape(broker.command_queue(route.binding))}$",
+            configure=configure,
+            write=write,
+            read=read,
         )
-        print(
-            f"broker user {route.principal}: read {broker.command_queue(route.binding)}, "
-            f"write {broker.EXCHANGE_RECEIPTS}"
-        )
+        print(f"broker user {user}: configure {configure} write {write} read {read}")
     return EXIT_OK
 
 

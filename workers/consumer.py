@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from workers import broker, faults, metrics, runtime
+from workers import broker, errors, faults, metrics, runtime
 from workers.config import Settings
 
 Handle = Callable[[Sequence[broker.Delivery]], Awaitable[Any]]
@@ -67,6 +67,21 @@ async def process(
     try:
         await runtime.redo(lambda: unit(batch), worker=worker, stop=stop, on_fenced=on_fenced)
         return
+    except errors.DatabaseError as exc:
+        if exc.kind is errors.Retry.BROKEN:
+            raise  # a broken deployment: no message is poison; the worker stops
+        if stop.requested or len(batch) == 1:
+            if stop.requested:
+                raise
+            await dead_letter(batch[0], worker=worker, error=exc, dead=dead)
+            return
+        runtime.event(
+            "consumer.batch_failed",
+            logging.WARNING,
+            worker=worker,
+            size=len(batch),
+            error=repr(exc)[:300],
+        )
     except Exception as exc:
         if stop.requested or len(batch) == 1:
             if stop.requested:
@@ -86,7 +101,9 @@ async def process(
                 functools.partial(unit, [d]), worker=worker, stop=stop, on_fenced=on_fenced
             )
         except Exception as exc:
-            if stop.requested:
+            if stop.requested or (
+                isinstance(exc, errors.DatabaseError) and exc.kind is errors.Retry.BROKEN
+            ):
                 raise
             await dead_letter(d, worker=worker, error=exc, dead=dead)
 

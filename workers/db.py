@@ -240,6 +240,30 @@ async def apply_script(url: str, path: Path, *, schema: str | None = None) -> No
         raise _translate(exc, during_commit=False) from exc
 
 
+async def grant_schema(url: str, schema: str, role: str) -> None:
+    """A LOGIN role that may use ``schema``'s tables and nothing else (least privilege)."""
+    ident_role, ident_schema = sql.Identifier(role), sql.Identifier(schema)
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+            if await cur.fetchone() is None:
+                with contextlib.suppress(psycopg.errors.DuplicateObject):
+                    await conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident_role))
+            for statement in (
+                "GRANT USAGE ON SCHEMA {s} TO {r}",
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {r}",
+                "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {r}",
+            ):
+                await conn.execute(sql.SQL(statement).format(s=ident_schema, r=ident_role))
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+
+
+def with_user(url: str, user: str) -> str:
+    """The same connection string, as another role (each worker has its own)."""
+    return psycopg.conninfo.make_conninfo(url, user=user)
+
+
 async def ensure_database(url: str) -> None:
     """Create the database named in ``url`` if it does not exist (dev and demo)."""
     info = psycopg.conninfo.conninfo_to_dict(url)

@@ -30,7 +30,7 @@ from workers import broker, cli, fleet
 from workers.config import ROOT, Settings
 
 DEMO_VHOST = "custody-demo"
-DEV_PASSWORD = "custody-dev"
+DEV_PASSWORD = fleet.DEV_PASSWORD
 
 
 def _with_db(url: str, name: str) -> str:

@@ -21,7 +21,8 @@ class Retry(enum.Enum):
     RETRY = "retry"  # transient: redo the whole unit of work
     IN_DOUBT = "in_doubt"  # commit outcome unknown: re-read by identity, then redo
     FENCED = "fenced"  # our lease is gone: stop, re-acquire
-    FATAL = "fatal"  # a bug or a broken deployment: let the worker die
+    BROKEN = "broken"  # a broken deployment (grants, schema): no message is to blame
+    FATAL = "fatal"  # this unit cannot succeed: a bug, or a message that triggers one
 
 
 class DatabaseError(CustodyError):
@@ -65,6 +66,10 @@ _RETRYABLE_SQLSTATES = frozenset(
 )
 
 
+# class-42 states a message's content can cause (so they stay FATAL, i.e. poison)
+_MESSAGE_SQLSTATES = frozenset({"42804", "42P18"})  # datatype mismatch, indeterminate type
+
+
 def classify_sqlstate(sqlstate: str | None, *, during_commit: bool) -> Retry:
     """Whether a Postgres failure is worth redoing the unit of work for."""
     if sqlstate == FENCE_SQLSTATE:
@@ -75,6 +80,10 @@ def classify_sqlstate(sqlstate: str | None, *, during_commit: bool) -> Retry:
         return Retry.IN_DOUBT if during_commit else Retry.RETRY
     if sqlstate in _RETRYABLE_SQLSTATES:
         return Retry.RETRY
+    if sqlstate.startswith(("42", "3F", "28")) and sqlstate not in _MESSAGE_SQLSTATES:
+        # insufficient privilege, undefined table or column, no such schema, bad login:
+        # the deployment is wrong, and every message would fail the same way
+        return Retry.BROKEN
     return Retry.FATAL
 
 

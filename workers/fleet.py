@@ -11,10 +11,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.config import ROOT
+from workers import broker, db
+from workers.config import ROOT, Settings
 
 ENGINE_WORKERS = ("committer", "publisher", "receipts", "reconciler")
 PARTICIPANTS = ("inventory", "payments", "shipping")
+
+
+DEV_PASSWORD = "custody-dev"  # the broker users' password in the demo and the tests
+
+
+def role_env(worker: str, name: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """Connect each worker as its own Postgres role (schema.sql grants) and its own
+    broker user (``custody broker dev-users``), never as an administrator."""
+    amqp = env.get("CUSTODY_AMQP_URL", Settings().amqp_url)
+    if worker == "participant":
+        url = env.get("CUSTODY_PARTICIPANT_DATABASE_URL", Settings().participant_database_url)
+        return {
+            "CUSTODY_PARTICIPANT_DATABASE_URL": db.with_user(url, f"custody_participant_{name}"),
+            "CUSTODY_AMQP_URL": broker.url_with_user(amqp, f"custody-{name}", DEV_PASSWORD),
+        }
+    url = env.get("CUSTODY_DATABASE_URL", Settings().database_url)
+    return {
+        "CUSTODY_DATABASE_URL": db.with_user(url, f"custody_{worker}"),
+        "CUSTODY_AMQP_URL": broker.url_with_user(amqp, f"custody-{worker}", DEV_PASSWORD),
+    }
 
 
 @dataclass
@@ -31,6 +52,7 @@ class Fleet:
     env: Mapping[str, str]
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    least_privilege: bool = True
 
     def start(
         self, worker: str, *, name: str | None = None, extra_env: Mapping[str, str] | None = None
@@ -42,7 +64,10 @@ class Fleet:
         args = [sys.executable, "-m", "workers.cli", "run", worker]
         if name:
             args += ["--name", name]
-        env = {**os.environ, **self.env, **(extra_env or {})}
+        env = {**os.environ, **self.env}
+        if self.least_privilege:
+            env.update(role_env(worker, name, env))
+        env.update(extra_env or {})
         with log.open("ab") as out:
             popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         proc = Proc(label, popen, log)

@@ -111,13 +111,14 @@ class DuplicateStartAsPoisonError(AssertionError):
 
 
 async def _waiting_committers(env: Env) -> int:
-    """Committer backends waiting for a lock on custody.instances."""
+    """Committer backends waiting: one on custody.instances (held by the test), the
+    other on the start request's advisory lock (held by the first committer)."""
     return await count(
         env,
         "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
         " WHERE NOT l.granted AND l.database = (SELECT oid FROM pg_database"
         " WHERE datname = current_database())"
-        " AND l.relation = 'custody.instances'::regclass"
+        " AND (l.relation = 'custody.instances'::regclass OR l.locktype = 'advisory')"
         " AND a.application_name = 'custody-committer'",
     )
 

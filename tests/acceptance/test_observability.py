@@ -45,7 +45,7 @@ from contracts.models import StartRequest, SubmitCommand
 from tests.acceptance.support import Crew, all_finished, environ_of, state
 from tests.conftest import DEV_PASSWORD, MGMT, Env
 from tests.harness import client, order, publish_raw, publish_starts
-from workers import broker
+from workers import adapter, broker
 from workers.config import ROOT
 from workers.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
 
@@ -102,7 +102,7 @@ OWNED: dict[str, list[Expect]] = {
         Expect("custody_transitions_total", {"kind": "start"}, 5),
     ],
     "receipts": [
-        Expect("custody_receipts_total", {"verdict": "apply"}, 30),
+        Expect("custody_receipts_total", {"verdict": "apply"}, 15),
         Expect("custody_quarantined_total", {"source": broker.QUEUE_RECEIPTS}, 1),
         Expect("custody_redeliveries_total", {"worker": "receipts"}),
         Expect("custody_operation_end_to_end_seconds_count", {}, 15),
@@ -467,7 +467,7 @@ def amqp_port(url: str) -> int:
 def pg_proxied_url(url: str, port: int) -> str:
     params = psycopg.conninfo.conninfo_to_dict(url)
     params.update(host="127.0.0.1", port=str(port))
-    return psycopg.conninfo.make_conninfo(**params)  # type: ignore[arg-type]
+    return psycopg.conninfo.make_conninfo(**params)
 
 
 def pg_port(url: str) -> int:
@@ -913,6 +913,27 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
         assert "traceparent" not in SubmitCommand.model_fields
         changed = command.model_copy(update={"input": {**command.input, "quantity": 2}})
         assert changed.semantic_digest() != command.digest
+        # The engine's own command builder, given the same pinned identity under two other
+        # traces: the same digest (the published one), different trace headers.
+        pinned = adapter.Pinned(
+            operation_id=command.operation_id,
+            tenant=command.tenant,
+            attempt=command.attempt,
+            operation=command.operation,
+            route=command.target.route,
+            owner=command.target.owner,
+            binding=command.target.binding,
+            input=command.input,
+            lineage=command.lineage.model_dump(mode="json"),
+        )
+        rebuilt = [
+            adapter.submit(pinned, traceparent=f"00-{uuid.uuid4().hex}-{parent_span}-01")
+            for _ in range(2)
+        ]
+        assert {r.digest for r in rebuilt} == {command.digest}
+        assert {r.request_id for r in rebuilt} == {command.request_id}
+        headers = [json.loads(r.outbox_row["headers"])["traceparent"] for r in rebuilt]
+        assert headers[0] != headers[1], "the trace lives in the headers, not the identity"
 
         # Replay the identical command under another trace, then let the participant in.
         other = f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"
@@ -1058,11 +1079,15 @@ async def test_no_secret_reaches_a_log_line_and_config_show_redacts_them(
         f"postgresql://{engine_db.get('user', 'postgres')}:{pg_secret}"
         f"@127.0.0.1:{engine_db.get('port', 5432)}/{engine_db['dbname']}"
     )
-    part_url = psycopg.conninfo.make_conninfo(**{**part_db, "password": pgkv_secret})  # type: ignore[arg-type]
+    part_url = psycopg.conninfo.make_conninfo(**{**part_db, "password": pgkv_secret})
     # No CUSTODY_AMQP_URL at all: it and CUSTODY_AMQP_URL_FILE are exclusive.
     base = {k: v for k, v in env.fleet_env().items() if k != "CUSTODY_AMQP_URL"}
     base["CUSTODY_PARTICIPANT_DATABASE_URL"] = part_url
-    secret_crew = Crew(env, Fleet(env=base, log_dir=tmp_path / "secret-logs"))
+    # Without the fleet's per-worker roles (workers.fleet.role_env), which would set
+    # CUSTODY_AMQP_URL for every worker and so exclude CUSTODY_AMQP_URL_FILE.
+    secret_crew = Crew(
+        env, Fleet(env=base, log_dir=tmp_path / "secret-logs", least_privilege=False)
+    )
     await broker.ensure_user(
         MGMT, user, amqp_secret, env.vhost, configure=".*", write=".*", read=".*"
     )

@@ -263,9 +263,12 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     assert reasons["receipt_id_reuse"] == 10
     assert reasons["start_conflict"] == 5
     assert reasons["unknown_process"] == 5
+    stale_ids = [orjson.loads(b)["receipt_id"] for b in receipts["stale"]]
     assert await env.scalar(
         "SELECT count(*) FROM custody.receipt_inbox WHERE decision = 'stale'"
-    ) == len(receipts["stale"])
+        " AND receipt_id = ANY(%s::uuid[])",
+        (stale_ids,),
+    ) == len(stale_ids), "every older revision is recorded as stale, none applied"
     for owner, bodies in commands.items():
 
         async def refused(owner: str = owner, n: int = len(bodies)) -> bool:

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, order, publish_starts
-from workers import broker
+from workers import broker, db
 from workers.config import ROOT
 
 
@@ -55,7 +55,11 @@ def custody(env: Env, *args: str, actor: str | None = "oncall") -> subprocess.Co
 
 
 def env_vars(env: Env) -> dict[str, str]:
-    return env.fleet_env() | {"CUSTODY_PROCESSES_DIR": env.settings.processes_dir}
+    """The operator's environment: the custody_operator role, never the superuser."""
+    return env.fleet_env() | {
+        "CUSTODY_PROCESSES_DIR": env.settings.processes_dir,
+        "CUSTODY_DATABASE_URL": db.with_user(env.settings.database_url, "custody_operator"),
+    }
 
 
 async def status_of(env: Env, node: str) -> tuple[Any, ...]:
