@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 import re
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -123,18 +124,52 @@ def _delivery(message: AbstractIncomingMessage) -> Delivery:
     )
 
 
+@dataclass(frozen=True)
+class Tls:
+    """TLS for the AMQP connection: verify the broker against ``ca_file``; present a
+    client certificate if ``cert_file`` (and ``key_file``) are set. (Postgres TLS is
+    libpq's: ``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey`` in the URL or the
+    ``PGSSL*`` variables.)"""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file or None)
+            if self.cert_file:
+                context.load_cert_chain(self.cert_file, self.key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise errors.ConfigError(f"AMQP TLS files: {exc}") from exc
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+
 class Broker:
     """A robust connection; channels for consuming and for confirmed publishing."""
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(self, url: str, name: str, tls: Tls | None = None) -> None:
         self.url = url
         self.name = name
+        self.tls = tls
         self._conn: AbstractRobustConnection | None = None
 
     async def connect(self) -> None:
+        context = self.tls.context() if self.tls and self.tls.enabled else None
+        if context is not None and not self.url.startswith("amqps://"):
+            raise errors.ConfigError(
+                "TLS files are configured, but CUSTODY_AMQP_URL is not amqps://"
+            )
         try:
             self._conn = await aio_pika.connect_robust(
-                self.url, client_properties={"connection_name": f"custody-{self.name}"}
+                self.url,
+                client_properties={"connection_name": f"custody-{self.name}"},
+                ssl_context=context,
             )
         except (aiormq.exceptions.AMQPError, OSError) as exc:
             raise errors.BrokerError(

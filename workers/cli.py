@@ -75,7 +75,7 @@ def participant_schema(owner: str) -> str:
 
 async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
     table, _ = engine.load_config(settings)
-    amqp = broker.Broker(settings.amqp_url, "topology")
+    amqp = broker.Broker(settings.amqp_url, "topology", engine.tls(settings))
     await amqp.connect()
     try:
         plan = await broker.apply_topology(
@@ -167,7 +167,7 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
     except orjson.JSONDecodeError as exc:
         print(f"--input is not JSON: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    amqp = broker.Broker(settings.amqp_url, "cli")
+    amqp = broker.Broker(settings.amqp_url, "cli", engine.tls(settings))
     await amqp.connect()
     try:
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)

@@ -26,6 +26,9 @@ class Settings:
     participant_database_url: str = "postgresql://postgres@127.0.0.1:5432/custody_participants"
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
     amqp_management_url: str = "http://guest:guest@127.0.0.1:15672"
+    amqp_tls_ca_file: str = ""
+    amqp_tls_cert_file: str = ""
+    amqp_tls_key_file: str = ""
     routes_file: str = str(ROOT / "deploy" / "routes.toml")
     processes_dir: str = str(ROOT / "deploy" / "processes")
     operators_file: str = str(ROOT / "deploy" / "operators.toml")

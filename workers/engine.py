@@ -47,6 +47,12 @@ class Context:
                 await self.db.acquire(self.lease)
 
 
+def tls(settings: Settings) -> broker.Tls:
+    return broker.Tls(
+        settings.amqp_tls_ca_file, settings.amqp_tls_cert_file, settings.amqp_tls_key_file
+    )
+
+
 def load_config(settings: Settings) -> tuple[routes.Routes, process.Catalog]:
     table = routes.load(Path(settings.routes_file))
     return table, process.load_dir(Path(settings.processes_dir), table)
@@ -59,7 +65,7 @@ async def context(
     table, catalog = load_config(settings)
     retention.check(settings, catalog)
     database = dbm.Database(settings.database_url, schema="custody", name=worker)
-    amqp = broker.Broker(settings.amqp_url, worker)
+    amqp = broker.Broker(settings.amqp_url, worker, tls(settings))
     lease = dbm.Lease(worker, ttl_s=settings.lease_ttl_s)
     await database.open()
     try:

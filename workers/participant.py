@@ -534,7 +534,13 @@ async def serve(
     database = db.Database(
         settings.participant_database_url, schema=schema, name=me.owner, max_size=4
     )
-    amqp = broker.Broker(settings.amqp_url, me.owner)
+    amqp = broker.Broker(
+        settings.amqp_url,
+        me.owner,
+        broker.Tls(
+            settings.amqp_tls_ca_file, settings.amqp_tls_cert_file, settings.amqp_tls_key_file
+        ),
+    )
     await database.open()
     await amqp.connect()
     health.checks["broker"] = lambda: amqp.connected
