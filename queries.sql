@@ -531,8 +531,9 @@ SELECT count(*) AS n FROM operations WHERE status::text = ANY(%(statuses)s);
 SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
 
 -- name: p_journal
-SELECT request_id::text, tenant, operation_id::text, attempt, operation, status, effect,
-       owner_revision, accepted_at, completed_at
+SELECT request_id::text, tenant, command->'lineage'->>'instance_id' AS instance_id,
+       operation_id::text, attempt, operation, status, effect, owner_revision, accepted_at,
+       completed_at
   FROM inbox ORDER BY accepted_at;
 
 -- name: retention_receipts

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
 from workers.config import ROOT
@@ -132,6 +132,7 @@ class Database:
         self.url = url
         self.schema = schema
         self.name = name
+        self.healthy = False  # /readyz: the last transaction reached the database
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Row]] = AsyncConnectionPool(
             url,
             connection_class=psycopg.AsyncConnection[Row],
@@ -150,9 +151,10 @@ class Database:
     async def open(self) -> None:
         try:
             await self._pool.open(wait=True, timeout=15)
+            self.healthy = True
         except psycopg.Error as exc:
             raise _translate(exc, during_commit=False) from exc
-        except Exception as exc:  # psycopg_pool.PoolTimeout
+        except PoolTimeout as exc:
             raise errors.DatabaseError(
                 f"cannot connect to Postgres for {self.name}: {exc}", errors.Retry.RETRY
             ) from exc
@@ -166,19 +168,29 @@ class Database:
     ) -> AsyncIterator[Tx]:
         """One transaction; with a lease, the commit is fenced by its epoch — or by
         ``epoch``, the one a multi-step unit started under (a claim, then a mark)."""
-        async with self._pool.connection() as conn:
-            committing = False
-            try:
-                async with conn.transaction():
-                    yield Tx(conn)
-                    if lease is not None:
-                        await conn.execute(
-                            "SELECT custody.fence(%s, %s)",
-                            (lease.holder, lease.epoch if epoch is None else epoch),
-                        )
-                    committing = True
-            except psycopg.Error as exc:
-                raise _translate(exc, during_commit=committing) from exc
+        try:
+            async with self._pool.connection() as conn:
+                committing = False
+                try:
+                    async with conn.transaction():
+                        yield Tx(conn)
+                        if lease is not None:
+                            await conn.execute(
+                                "SELECT custody.fence(%s, %s)",
+                                (lease.holder, lease.epoch if epoch is None else epoch),
+                            )
+                        committing = True
+                except psycopg.Error as exc:
+                    error = _translate(exc, during_commit=committing)
+                    if error.kind in (errors.Retry.RETRY, errors.Retry.IN_DOUBT):
+                        self.healthy = False
+                    raise error from exc
+        except PoolTimeout as exc:
+            self.healthy = False
+            raise errors.DatabaseError(
+                f"no connection to Postgres: {exc}", errors.Retry.RETRY
+            ) from exc
+        self.healthy = True
 
     async def acquire(self, lease: Lease) -> int:
         """Take (or take back) the lease with a new epoch; returns the epoch."""

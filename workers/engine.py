@@ -72,6 +72,7 @@ async def context(
         await amqp.connect()
         await database.acquire(lease)
         health.checks["broker"] = lambda: amqp.connected
+        health.checks["database"] = lambda: database.healthy
         yield Context(settings, worker, database, amqp, lease, table, catalog)
     finally:
         with contextlib.suppress(Exception):

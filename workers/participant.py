@@ -270,8 +270,9 @@ class Participant:
                     reemit.append(c.submit_request_id)
                 else:
                     receipts.append(receipt)
-            answers = await self._answers(tx, queries)
-            await self._emit(tx, receipts, answers, unjournaled=conflict_answers)
+            # journal first: a query in the same batch sees what this batch accepted
+            await self._emit(tx, receipts, unjournaled=conflict_answers)
+            await self._emit(tx, [], await self._answers(tx, queries))
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", conflicts)
             await tx.run_many("p_refused_insert", refused)
@@ -544,6 +545,7 @@ async def serve(
     await database.open()
     await amqp.connect()
     health.checks["broker"] = lambda: amqp.connected
+    health.checks["database"] = lambda: database.healthy
     part = Participant(me, handlers, settings, database, cancel_hooks)
     exec_waker = runtime.Waker(settings.poll_interval_s)
     pub_waker = runtime.Waker(settings.poll_interval_s)
