@@ -111,7 +111,8 @@ UPDATE outbox o
                  ORDER BY b.next_attempt_at
                  LIMIT %(limit)s
                    FOR UPDATE OF b SKIP LOCKED)
-RETURNING o.id, o.exchange, o.routing_key, o.body, o.headers, o.operation_id, o.publish_attempts;
+RETURNING o.id, o.kind, o.exchange, o.routing_key, o.body, o.headers, o.operation_id,
+          o.publish_attempts;
 
 -- name: p_outbox_claim
 UPDATE outbox o
@@ -146,12 +147,12 @@ SELECT count(*) AS pending,
 
 -- name: operations_dispatched
 -- The confirm mark never moves an operation backward; the deadline clock starts here.
--- Only a submit's confirm dispatches: a query's or a cancel's is not progress.
+-- Only a submit's confirm dispatches (the caller passes submits' operation ids): a
+-- query's or a cancel's confirm is not progress. By primary key, never a join.
 UPDATE operations
    SET status = 'dispatched', updated_at = now(),
        deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
- WHERE id IN (SELECT operation_id FROM outbox WHERE id = ANY(%(ids)s) AND kind = 'submit')
-   AND status = 'pending'
+ WHERE id = ANY(%(ids)s) AND status = 'pending'
 RETURNING id, instance_id;
 
 -- name: operations_lock

@@ -85,6 +85,8 @@ CREATE TABLE IF NOT EXISTS custody.node_states (
   PRIMARY KEY (instance_id, node, activation)
 );
 
+CREATE INDEX IF NOT EXISTS node_states_operation ON custody.node_states (operation_id);
+
 CREATE TABLE IF NOT EXISTS custody.history (
   id           bigserial PRIMARY KEY,
   instance_id  uuid NOT NULL,

@@ -4,7 +4,9 @@
 #   compose.yaml      compose-spec JSON Schema + `docker compose config -q` (Compose v2)
 #   k8s/              kustomize render (base, overlays/*) | kubernetes-validate --strict,
 #                     KEDA objects against the vendored schemas in k8s/schemas/,
-#                     ConfigMap sources identical to deploy/routes.toml + processes/
+#                     the operator pod of docs/deploy.md (kubernetes-validate),
+#                     ConfigMap sources identical to deploy/routes.toml, operators.toml,
+#                     processes/
 #   prometheus/       promtool check config + check rules + test rules
 #   grafana/          every panel expression parses (promtool), provisioning is YAML
 #   rabbitmq/         definitions.json is JSON (its content: tests/integration/test_definitions.py)
@@ -88,16 +90,55 @@ PY
   "$T/check-jsonschema" --schemafile "$schema" "$WORK"/keda/*.yaml
 }
 
+# The operator pod of docs/deploy.md ("Operator commands"): its --overrides JSON,
+# merged the way `kubectl run --override-type=strategic` merges it (containers by
+# name), as a Pod through kubernetes-validate.
+operator_pod_validates() {
+  "$T/python" - docs/deploy.md "$WORK/operator-pod.json" <<'PY' || return 1
+import json, re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"operator_pod\(\) \{\n  cat <<EOF\n(.*?)\nEOF\n", text, re.S)
+if not m:
+    sys.exit("no operator_pod heredoc in docs/deploy.md")
+override = json.loads(m.group(1).replace("$1", "custody-operators-0000000000"))
+def merge(base, patch):
+    for key, value in patch.items():
+        if key == "containers":
+            by_name = {c["name"]: c for c in base.get(key, [])}
+            for c in value:
+                by_name[c["name"]] = merge(by_name.get(c["name"], {}), c)
+            base[key] = list(by_name.values())
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+pod = {  # what `kubectl run custody-operator --restart=Never --image=... --env=... -- ARGS` creates
+    "apiVersion": "v1", "kind": "Pod",
+    "metadata": {"name": "custody-operator", "labels": {"run": "custody-operator"}},
+    "spec": {"restartPolicy": "Never", "containers": [{
+        "name": "custody-operator", "image": "registry.example.com/platform/custody:0.1.0",
+        "args": ["audit", "list"], "env": [{"name": "CUSTODY_OPERATOR", "value": "oncall"}]}]},
+}
+spec = merge(pod["spec"], override["spec"])
+[container] = spec["containers"]
+assert container["image"] and container["args"], container
+json.dump(pod, open(sys.argv[2], "w"))
+PY
+  "$T/kubernetes-validate" --strict --quiet --no-warn -k "$K8S_VERSION" "$WORK/operator-pod.json"
+}
+
 config_copies_match() {
   local rc=0 f
   cmp deploy/routes.toml deploy/k8s/base/config/routes.toml || rc=1
+  cmp deploy/operators.toml deploy/k8s/base/config/operators.toml || rc=1
   for f in deploy/processes/*.toml; do
     cmp "$f" "deploy/k8s/base/config/processes/$(basename "$f")" || rc=1
   done
   for f in deploy/k8s/base/config/processes/*.toml; do
     [ -f "deploy/processes/$(basename "$f")" ] || { echo "stale copy: $f"; rc=1; }
   done
-  [ $rc = 0 ] || echo "copy deploy/routes.toml and deploy/processes/*.toml into deploy/k8s/base/config/"
+  [ $rc = 0 ] || echo "copy deploy/routes.toml, deploy/operators.toml and deploy/processes/*.toml into deploy/k8s/base/config/"
   return $rc
 }
 
@@ -148,11 +189,12 @@ echo "lint-deploy: offline validation of deploy/"
 check "hadolint deploy/Dockerfile" "$T/hadolint" --no-color deploy/Dockerfile
 check "compose: compose-spec JSON Schema" "$T/check-jsonschema" --builtin-schema vendor.compose-spec deploy/compose.yaml
 check "compose: docker compose config -q" compose_config
-check "k8s: ConfigMap sources match deploy/routes.toml and deploy/processes" config_copies_match
+check "k8s: ConfigMap sources match deploy/routes.toml, operators.toml and processes" config_copies_match
 for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
   dir=${dir%/}
   check "k8s: kubectl kustomize $dir | kubernetes-validate --strict -k $K8S_VERSION" kustomize_validate "$dir"
 done
+check "k8s: the operator pod of docs/deploy.md | kubernetes-validate --strict" operator_pod_validates
 check "k8s: KEDA ScaledObjects (vendored schema)" keda_validate ScaledObject deploy/k8s/schemas/scaledobject.schema.json
 check "k8s: KEDA TriggerAuthentications (vendored schema)" keda_validate TriggerAuthentication deploy/k8s/schemas/triggerauthentication.schema.json
 check "prometheus: promtool check config" "$PROMTOOL" check config deploy/prometheus/prometheus.yml

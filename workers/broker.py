@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import inspect
 import json
 import re
 import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -81,27 +82,28 @@ class Delivery:
     redelivered: bool
     routing_key: str
     _message: AbstractIncomingMessage
+    settled: bool = False
 
     async def ack(self) -> None:
-        """Ack on the channel it came from; a closed channel means the broker will
+        """Ack on the channel it came from, once; a closed channel means the broker will
         redeliver it, and the consumer's idempotency handles that."""
-        with contextlib.suppress(
-            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
-        ):
-            await self._message.ack()
+        await self._settle(self._message.ack())
 
     async def reject(self) -> None:
         """Reject without requeue: the queue's policy dead-letters it."""
-        with contextlib.suppress(
-            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
-        ):
-            await self._message.reject(requeue=False)
+        await self._settle(self._message.reject(requeue=False))
 
     async def requeue(self) -> None:
-        with contextlib.suppress(
-            aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError
-        ):
-            await self._message.nack(requeue=True)
+        await self._settle(self._message.nack(requeue=True))
+
+    async def _settle(self, action: Awaitable[Any]) -> None:
+        if self.settled:
+            if inspect.iscoroutine(action):
+                action.close()
+            return
+        self.settled = True
+        with contextlib.suppress(*_SETTLE_ERRORS):
+            await action
 
 
 def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
@@ -110,6 +112,19 @@ def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
         str(k)[:100].replace("\x00", ""): str(v)[:500].replace("\x00", "")
         for k, v in list(headers.items())[:32]
     }
+
+
+_CHANNEL_ERRORS = (
+    aiormq.exceptions.AMQPError,
+    aio_pika.exceptions.ChannelInvalidStateError,
+    RuntimeError,
+    OSError,
+)
+_SETTLE_ERRORS = (
+    aiormq.exceptions.AMQPError,
+    aio_pika.exceptions.ChannelInvalidStateError,
+    aio_pika.exceptions.MessageProcessError,
+)
 
 
 def _delivery(message: AbstractIncomingMessage) -> Delivery:
@@ -194,27 +209,36 @@ class Broker:
         self, queues: Sequence[str], prefetch: int
     ) -> AsyncIterator[asyncio.Queue[Delivery]]:
         """Deliveries of ``queues`` into an asyncio queue, manual ack; cancelled on exit."""
-        channel = await self._connection().channel()
-        await channel.set_qos(prefetch_count=prefetch)
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         tags: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
+        channel: AbstractChannel | None = None
 
         async def on_message(message: AbstractIncomingMessage) -> None:
             await inbox.put(_delivery(message))
 
-        try:
-            for name in queues:
-                queue = await channel.get_queue(name, ensure=True)
-                tags.append((queue, await queue.consume(on_message, no_ack=False)))
-            yield inbox
-        except aiormq.exceptions.AMQPError as exc:
-            raise errors.BrokerError(f"consume {list(queues)}: {exc}", errors.Retry.RETRY) from exc
-        finally:
+        async def cleanup() -> None:
             for queue, tag in tags:
                 with contextlib.suppress(Exception):
                     await queue.cancel(tag)
-            with contextlib.suppress(Exception):
-                await channel.close()
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+
+        try:
+            channel = await self._connection().channel()
+            await channel.set_qos(prefetch_count=prefetch)
+            for name in queues:
+                queue = await channel.get_queue(name, ensure=True)
+                tags.append((queue, await queue.consume(on_message, no_ack=False)))
+        except _CHANNEL_ERRORS as exc:
+            await cleanup()
+            raise errors.BrokerError(
+                f"consume {list(queues)}: {type(exc).__name__}: {exc}", errors.Retry.RETRY
+            ) from exc
+        try:
+            yield inbox
+        finally:
+            await cleanup()
 
     async def publisher(self, *, window: int, timeout_s: float, user_id: str | None) -> Publisher:
         return Publisher(self, window=window, timeout_s=timeout_s, user_id=user_id)
@@ -371,6 +395,8 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
         "custody-publisher": ("^$", only(EXCHANGE_COMMANDS), "^$"),
         "custody-receipts": ("^$", only(EXCHANGE_DEAD), only(QUEUE_RECEIPTS)),
         "custody-reconciler": ("^$", "^$", "^$"),
+        # the workflow front end: start and cancel requests, nothing else
+        "custody-frontend": ("^$", only(EXCHANGE_REQUESTS), "^$"),
     }
     for principal, binding in principals.items():
         users[principal] = (

@@ -440,7 +440,7 @@ def _quarantine_row(
 
 
 async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
-    async with engine.context(settings, ACTOR, health, consumes=True) as ctx:
+    async with engine.context(settings, ACTOR, health) as ctx:
         roles = authz.load(Path(settings.operators_file))
         committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog, roles)
         waker = runtime.Waker(settings.poll_interval_s)
@@ -466,5 +466,8 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
 
         await runtime.supervise(
             main=[starts(), successors()],
-            side=[ctx.heartbeat(), waker.follow(ctx.db.listen("custody_successor"))],
+            side=[
+                ctx.heartbeat(),
+                waker.follow(lambda: ctx.db.listen("custody_successor"), worker=ACTOR),
+            ],
         )

@@ -33,20 +33,45 @@ async def run(
     after_commit: Callable[[], None] = lambda: None,
 ) -> None:
     dead = await amqp.publisher(window=8, timeout_s=settings.confirm_timeout_s, user_id=None)
-    async with amqp.consume(queues, settings.prefetch) as inbox:
-        while not stop.requested:
-            batch = await runtime.next_batch(
-                inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000
+    attempt = 0
+    while not stop.requested:
+        try:
+            async with amqp.consume(queues, settings.prefetch) as inbox:
+                attempt = 0
+                while not stop.requested:
+                    batch = await runtime.next_batch(
+                        inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000
+                    )
+                    if not batch:
+                        continue
+                    metrics.REDELIVERIES.labels(worker).inc(sum(d.redelivered for d in batch))
+                    await process(
+                        batch,
+                        worker=worker,
+                        stop=stop,
+                        handle=handle,
+                        on_fenced=on_fenced,
+                        dead=dead,
+                    )
+                    for d in batch:
+                        await d.ack()  # a dead-lettered delivery is settled already
+                    after_commit()
+            return
+        except errors.BrokerError as exc:
+            # the broker went away while the consumer was being set up: try again (a
+            # robust connection restores consumers that were already running)
+            if exc.kind is errors.Retry.FATAL or stop.requested:
+                raise
+            runtime.event(
+                "consumer.retry",
+                logging.WARNING,
+                worker=worker,
+                attempt=attempt + 1,
+                error=str(exc)[:300],
             )
-            if not batch:
-                continue
-            metrics.REDELIVERIES.labels(worker).inc(sum(d.redelivered for d in batch))
-            await process(
-                batch, worker=worker, stop=stop, handle=handle, on_fenced=on_fenced, dead=dead
-            )
-            for d in batch:
-                await d.ack()
-            after_commit()
+            if await stop.sleep(errors.backoff_seconds(attempt)):
+                return
+            attempt += 1
 
 
 async def process(
@@ -64,28 +89,19 @@ async def process(
         faults.poison_check(worker, [d.body for d in items])
         return await handle(items)
 
+    def nobody_to_blame(exc: Exception) -> bool:
+        # stopping, or a broken deployment (grants, schema): no message is poison, so
+        # none is dead-lettered; the deliveries go back to the queue
+        broken = isinstance(exc, errors.DatabaseError) and exc.kind is errors.Retry.BROKEN
+        return stop.requested or broken
+
     try:
         await runtime.redo(lambda: unit(batch), worker=worker, stop=stop, on_fenced=on_fenced)
         return
-    except errors.DatabaseError as exc:
-        if exc.kind is errors.Retry.BROKEN:
-            raise  # a broken deployment: no message is poison; the worker stops
-        if stop.requested or len(batch) == 1:
-            if stop.requested:
-                raise
-            await dead_letter(batch[0], worker=worker, error=exc, dead=dead)
-            return
-        runtime.event(
-            "consumer.batch_failed",
-            logging.WARNING,
-            worker=worker,
-            size=len(batch),
-            error=repr(exc)[:300],
-        )
     except Exception as exc:
-        if stop.requested or len(batch) == 1:
-            if stop.requested:
-                raise
+        if nobody_to_blame(exc):
+            raise
+        if len(batch) == 1:
             await dead_letter(batch[0], worker=worker, error=exc, dead=dead)
             return
         runtime.event(
@@ -101,9 +117,7 @@ async def process(
                 functools.partial(unit, [d]), worker=worker, stop=stop, on_fenced=on_fenced
             )
         except Exception as exc:
-            if stop.requested or (
-                isinstance(exc, errors.DatabaseError) and exc.kind is errors.Retry.BROKEN
-            ):
+            if nobody_to_blame(exc):
                 raise
             await dead_letter(d, worker=worker, error=exc, dead=dead)
 

@@ -217,7 +217,10 @@ class Database:
 
     async def listen(self, *channels: str) -> AsyncIterator[None]:
         """Yield on each notification; NOTIFY is a hint, so callers also poll."""
-        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        except psycopg.Error as exc:
+            raise _translate(exc, during_commit=False) from exc
         try:
             for channel in channels:
                 await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
@@ -227,6 +230,17 @@ class Database:
             raise _translate(exc, during_commit=False) from exc
         finally:
             await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str, *, schema: str, name: str = "cli") -> AsyncIterator[Database]:
+    """A one-connection :class:`Database` for a command's lifetime (the CLI)."""
+    database = Database(url, schema=schema, name=name, min_size=1, max_size=1)
+    await database.open()
+    try:
+        yield database
+    finally:
+        await database.close()
 
 
 async def apply_script(url: str, path: Path, *, schema: str | None = None) -> None:
@@ -267,6 +281,14 @@ async def grant_schema(url: str, schema: str, role: str) -> None:
                 "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {r}",
             ):
                 await conn.execute(sql.SQL(statement).format(s=ident_schema, r=ident_role))
+            cur = await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'custody_operator'")
+            if await cur.fetchone() is not None:
+                # the operator CLI reads journals for `custody restore report`
+                for statement in (
+                    "GRANT USAGE ON SCHEMA {s} TO custody_operator",
+                    "GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO custody_operator",
+                ):
+                    await conn.execute(sql.SQL(statement).format(s=ident_schema))
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import broker, metrics, process, retention, routes, runtime
+from workers import broker, errors, metrics, process, retention, routes, runtime
 from workers import db as dbm
 from workers.config import Settings
 
@@ -35,7 +35,18 @@ class Context:
         with a new epoch, so whatever the old epoch had in flight cannot commit."""
         while True:
             await asyncio.sleep(self.lease.ttl_s / 3)
-            if not await self.db.renew(self.lease):
+            try:
+                renewed = await self.db.renew(self.lease)
+            except errors.DatabaseError as exc:
+                if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
+                    raise
+                # the database is away: commits fail anyway; if the outage outlasts the
+                # lease, the next renewal finds it expired and takes a new epoch
+                runtime.event(
+                    "lease.renew_failed", logging.WARNING, worker=self.worker, error=str(exc)[:300]
+                )
+                continue
+            if not renewed:
                 metrics.LEASE_LOSSES.labels(self.worker).inc()
                 runtime.event(
                     "lease.lost",
@@ -44,7 +55,8 @@ class Context:
                     holder=self.lease.holder,
                     epoch=self.lease.epoch,
                 )
-                await self.db.acquire(self.lease)
+                with contextlib.suppress(errors.DatabaseError):
+                    await self.db.acquire(self.lease)  # else: again at the next beat
 
 
 def tls(settings: Settings) -> broker.Tls:
@@ -60,7 +72,7 @@ def load_config(settings: Settings) -> tuple[routes.Routes, process.Catalog]:
 
 @contextlib.asynccontextmanager
 async def context(
-    settings: Settings, worker: str, health: runtime.Health, *, consumes: bool = True
+    settings: Settings, worker: str, health: runtime.Health
 ) -> AsyncIterator[Context]:
     table, catalog = load_config(settings)
     retention.check(settings, catalog)

@@ -66,7 +66,10 @@ class Fleet:
             args += ["--name", name]
         env = {**os.environ, **self.env}
         if self.least_privilege:
-            env.update(role_env(worker, name, env))
+            given = {**env, **(extra_env or {})}
+            env.update(
+                {k: v for k, v in role_env(worker, name, env).items() if f"{k}_FILE" not in given}
+            )
         env.update(extra_env or {})
         with log.open("ab") as out:
             popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

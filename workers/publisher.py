@@ -109,7 +109,10 @@ class OutboxPublisher:
         async with self.db.transaction(self.lease, epoch=epoch) as tx:
             marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
-                moved = await tx.rows("operations_dispatched", {"ids": [r["id"] for r in marked]})
+                submits = [
+                    r["operation_id"] for r in marked if by_id[str(r["id"])].get("kind") == "submit"
+                ]
+                moved = await tx.rows("operations_dispatched", {"ids": submits})
                 await tx.run_many(
                     "history_insert",
                     [
@@ -189,5 +192,8 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
         waker = runtime.Waker(settings.poll_interval_s)
         await runtime.supervise(
             main=[loop(pub, stop, waker, ctx.reacquire, ACTOR)],
-            side=[ctx.heartbeat(), waker.follow(ctx.db.listen("custody_outbox"))],
+            side=[
+                ctx.heartbeat(),
+                waker.follow(lambda: ctx.db.listen("custody_outbox"), worker=ACTOR),
+            ],
         )

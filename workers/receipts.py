@@ -88,6 +88,7 @@ class ReceiptConsumer:
                 )
             except codec.DecodeError as exc:
                 w.quarantine.append(_quarantine(d, exc.reason, exc.detail))
+                w.verdicts.append("quarantine")
                 verdict_of[i] = "quarantine"
         async with self.db.transaction(self.lease) as tx:
             op_ids = list({m.operation_id for _, _, m in decoded})

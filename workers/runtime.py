@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import signal
 import sys
 import time
@@ -26,22 +28,57 @@ from workers import errors
 log = logging.getLogger("custody")
 
 
+_STABLE = ("ts", "level", "event", "logger")
+_EVENT_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+
+
+def _text(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _plain(value: object, depth: int = 0) -> Any:
+    """A JSON-safe copy: strings for anything exotic, no NaN, keys as strings."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _text(value)
+    if depth > 16:
+        return _text(value)
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, str) else _text(k): _plain(v, depth + 1) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth + 1) for v in value]
+    return _text(value)
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: a stable event name and structured fields."""
+    """One JSON object per line: a stable event name and structured fields. Records
+    of libraries (free text) become ``log.library`` with their text as ``message``."""
 
     def format(self, record: logging.LogRecord) -> str:
+        message = _text(record.getMessage())
+        ours = record.name == "custody" and _EVENT_NAME.match(message) is not None
         payload: dict[str, Any] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
-            "event": record.getMessage(),
+            "event": message if ours else "log.library",
             "logger": record.name,
         }
+        if not ours:
+            payload["message"] = message
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
-            payload.update(fields)
+            for key, value in fields.items():
+                name = _text(key)
+                payload[f"field_{name}" if name in _STABLE else name] = value
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
-        return json.dumps(payload, default=str)
+        return json.dumps(_plain(payload), allow_nan=False)
 
 
 def setup_logging(fmt: str, level: int = logging.INFO) -> None:
@@ -75,7 +112,7 @@ class Health:
                 states[name] = bool(check())
             except Exception:
                 states[name] = False
-        return all(states.values()), states
+        return bool(states) and all(states.values()), states
 
 
 async def _serve_http(port: int, health: Health) -> asyncio.Server:
@@ -235,10 +272,28 @@ class Waker:
             await asyncio.wait_for(self._event.wait(), self.poll_s)
         self._event.clear()
 
-    async def follow(self, notifications: Any) -> None:
-        """Kick on every notification of an async iterator (a db.listen())."""
-        async for _ in notifications:
+    async def follow(self, listen: Callable[[], Any], *, worker: str = "") -> None:
+        """Kick on every notification of ``listen()`` (a db.listen); re-open it after
+        a database outage, with backoff — the polling fallback covers the gap."""
+        attempt = 0
+        while True:
+            try:
+                async for _ in listen():
+                    attempt = 0
+                    self.kick()
+            except errors.DatabaseError as exc:
+                if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
+                    raise
+                event(
+                    "listen.retry",
+                    logging.WARNING,
+                    worker=worker,
+                    attempt=attempt + 1,
+                    error=str(exc)[:300],
+                )
             self.kick()
+            await asyncio.sleep(errors.backoff_seconds(attempt))
+            attempt += 1
 
 
 async def redo(
@@ -268,7 +323,7 @@ async def redo(
             event("lease.fenced", logging.WARNING, worker=worker, error=str(exc))
             await on_fenced()
         except (errors.DatabaseError, errors.BrokerError) as exc:
-            if exc.kind is errors.Retry.FATAL:
+            if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
                 raise
             metrics.UNIT_FAILURES.labels(worker, exc.kind.value).inc()
             event(

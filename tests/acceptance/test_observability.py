@@ -544,12 +544,6 @@ async def test_every_worker_serves_probes_and_promtool_clean_metrics_with_the_fa
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ReceiptConsumer.apply quarantines a receipt that fails codec.decode_receipt "
-    "(verdict_of[i] = 'quarantine') without appending to w.verdicts, so "
-    "custody_receipts_total{verdict='quarantine'} never counts undecodable receipts",
-)
 async def test_a_malformed_receipt_is_counted_in_custody_receipts_total_as_quarantine(
     env: Env, crew: Crew
 ) -> None:
@@ -657,13 +651,6 @@ async def test_a_broker_outage_turns_readyz_503_while_healthz_stays_200_and_both
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a connection lost between the AMQP handshake and the consumer's set-up kills "
-    "the worker (exit 1): Broker.consume opens its channel and sets QoS outside its try "
-    "(raw aiormq AMQPConnectionError), and consumer.run never retries a consume set-up; "
-    "meanwhile /readyz already said 200 (the 'broker' check is registered on connect)",
-)
 @pytest.mark.parametrize("worker", ["receipts", "inventory"])
 async def test_a_connection_lost_while_the_consumer_is_set_up_does_not_kill_the_worker(
     env: Env, crew: Crew, worker: str
@@ -693,12 +680,6 @@ async def test_a_connection_lost_while_the_consumer_is_set_up_does_not_kill_the_
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: /readyz is 200 before the worker has connected: runtime.Health.ready() "
-    "returns all({}) == True while no check is registered yet (engine.context and "
-    "participant.serve add health.checks['broker'] only after connecting)",
-)
 async def test_readyz_is_503_until_the_worker_has_connected(env: Env, crew: Crew) -> None:
     """While the broker does not answer the AMQP handshake, a starting worker is alive
     (/healthz 200) but not ready (/readyz 503)."""
@@ -717,14 +698,6 @@ async def test_readyz_is_503_until_the_worker_has_connected(env: Env, crew: Crew
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG/MISSING: a Postgres outage kills the engine worker instead of making it "
-    "unready: its side tasks are not retried (Waker.follow(db.listen(...)) ends on the LISTEN "
-    "connection's OperationalError, Context.heartbeat calls db.renew outside runtime.redo), so "
-    "runtime.supervise stops the worker (exit 2); and /readyz has no database check at all "
-    "(only health.checks['broker'] is registered)",
-)
 async def test_a_database_outage_keeps_healthz_200_turns_readyz_503_and_both_recover(
     env: Env, crew: Crew
 ) -> None:
@@ -791,12 +764,6 @@ async def test_every_log_line_is_a_schema_valid_json_event_and_sigterm_logs_the_
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: during a broker outage aio-pika's own WARNING records reach the JSON "
-    "handler with their free-text message as 'event' ('Connection attempt to \"amqp://...\" "
-    "failed: ...'), which is not a stable dotted event name (see tests/unit/test_logging.py)",
-)
 async def test_log_lines_stay_schema_valid_through_a_broker_outage(
     env: Env, crew: Crew, tmp_path: Path
 ) -> None:

@@ -139,6 +139,12 @@ def test_definitions_declare_what_topology_apply_declares() -> None:
         assert q["arguments"] == {"x-queue-type": "quorum"}, q
 
 
+def test_definitions_hold_topology_only_no_users_or_permissions() -> None:
+    """Importing the file never creates a user or grants anything: the broker users and
+    their least-privilege permissions are created separately (docs/deploy.md)."""
+    assert set(load()) == {"exchanges", "queues", "bindings", "policies"}
+
+
 def test_definitions_policy_is_the_dlx_and_delivery_limit_policy() -> None:
     [policy] = load()["policies"]
     assert policy["name"] == broker.POLICY_NAME

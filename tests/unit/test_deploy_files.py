@@ -3,8 +3,10 @@
 Every worker type has an image entry point, a Deployment with both probes, a
 PodDisruptionBudget, a KEDA ScaledObject on the right queue or metric, and a compose
 service; every CUSTODY_* variable they set is a real setting; every metric an alert,
-panel or scaler reads is one the workers export. The validators themselves
-(hadolint, compose config, kubernetes-validate, promtool, ...) run in
+panel or scaler reads is one the workers export. Least privilege: no worker connects
+as an administrator, and each connects as its own Postgres role and broker user
+(compose, the Kubernetes Secrets documented in docs/deploy.md). The validators
+themselves (hadolint, compose config, kubernetes-validate, promtool, ...) run in
 scripts/lint-deploy.sh.
 """
 
@@ -14,27 +16,39 @@ import json
 import re
 import shlex
 import tomllib
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import fields
 from functools import cache
 from typing import Any
 
+import psycopg
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from workers import broker, fleet, metrics, routes
+from workers import broker, cli, fleet, metrics, routes
 from workers.config import PREFIX, ROOT, Settings
 
 DEPLOY = ROOT / "deploy"
+DOCS = ROOT / "docs" / "deploy.md"
 K8S_BASE = DEPLOY / "k8s" / "base"
 ROUTES = routes.load(DEPLOY / "routes.toml")
 PARTICIPANTS = sorted({r.owner for r in ROUTES.by_name.values()})
 ENGINE = list(fleet.ENGINE_WORKERS)
 WORKER_TYPES = ENGINE + [f"participant-{name}" for name in PARTICIPANTS]
 SETTINGS = {PREFIX + f.name.upper() for f in fields(Settings)}
-# Read from the environment outside Settings: workers.db (where the SQL files live).
-OTHER_VARIABLES = {"CUSTODY_SQL_DIR"}
+# Read from the environment outside Settings: workers.db (where the SQL files live),
+# workers.cli (who the operator is).
+OTHER_VARIABLES = {"CUSTODY_SQL_DIR", "CUSTODY_OPERATOR"}
+# The administrators: only the migration connects as them.
+ADMINS = {"postgres", "guest"}
+URL_SETTINGS = (
+    "CUSTODY_DATABASE_URL",
+    "CUSTODY_PARTICIPANT_DATABASE_URL",
+    "CUSTODY_AMQP_URL",
+    "CUSTODY_AMQP_MANAGEMENT_URL",
+)
 # Broker metrics from rabbitmq_prometheus 3.10 (checked against a node's
 # /metrics/detailed?family=queue_coarse_metrics&family=queue_consumer_count).
 RABBITMQ_METRICS = {
@@ -120,6 +134,7 @@ def test_dockerfile_final_stage_installs_nothing_and_finds_its_sql() -> None:
         "participant_schema.sql",
         "participants/",
         "deploy/routes.toml",
+        "deploy/operators.toml",
         "deploy/processes/",
         "contracts/",
         "workers/",
@@ -229,8 +244,8 @@ def test_secrets_reach_workers_as_files_from_a_mounted_secret(worker: str) -> No
     assert "secret" in volumes["secrets"]
     for path in secret_vars.values():
         assert path.startswith(mounts["secrets"] + "/"), path
-    if worker.startswith("participant-"):
-        assert volumes["secrets"]["secret"]["secretName"] == f"custody-{worker}"
+    # one Secret per worker type: its own Postgres role and broker user
+    assert volumes["secrets"]["secret"]["secretName"] == f"custody-{worker}"
 
 
 @pytest.mark.parametrize("worker", WORKER_TYPES)
@@ -297,12 +312,41 @@ def test_migration_job_migrates_then_applies_the_topology() -> None:
 def test_configmap_sources_are_the_deploy_files() -> None:
     config = K8S_BASE / "config"
     assert (config / "routes.toml").read_bytes() == (DEPLOY / "routes.toml").read_bytes()
+    assert (config / "operators.toml").read_bytes() == (DEPLOY / "operators.toml").read_bytes()
     ours = {p.name: p.read_bytes() for p in (DEPLOY / "processes").glob("*.toml")}
     copies = {p.name: p.read_bytes() for p in (config / "processes").glob("*.toml")}
     assert copies == ours
     generators = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())["configMapGenerator"]
     files = {f for g in generators for f in g.get("files", [])}
     assert {f"config/processes/{name}" for name in ours} <= files
+    assert "operators.toml=config/operators.toml" in files
+
+
+def test_only_the_migration_job_gets_administrator_credentials() -> None:
+    """Workers mount their own Secret; the migration's Secret and the management URL
+    (an administrator's) reach the migration Job only."""
+    for name, deployment in _by_kind("Deployment").items():
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        secrets = {v["secret"]["secretName"] for v in volumes if "secret" in v}
+        assert "custody-migrate" not in secrets, name
+        env = {e["name"] for e in _container(deployment)["env"]}
+        assert not {"CUSTODY_AMQP_MANAGEMENT_URL", "CUSTODY_AMQP_MANAGEMENT_URL_FILE"} & env, name
+    job = _by_kind("Job")["custody-migrate"]
+    volumes = job["spec"]["template"]["spec"]["volumes"]
+    assert {v["secret"]["secretName"] for v in volumes if "secret" in v} == {"custody-migrate"}
+
+
+def test_the_committer_reads_operators_toml_from_its_configmap() -> None:
+    """Cancel requests on custody.requests are authorized against operators.toml."""
+    deployment = _by_kind("Deployment")["custody-committer"]
+    container = _container(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    [name] = [
+        n for n, v in volumes.items() if v.get("configMap", {}).get("name") == "custody-operators"
+    ]
+    assert env["CUSTODY_OPERATORS_FILE"] == f"{mounts[name]}/operators.toml"
 
 
 # Compose ---------------------------------------------------------------------------
@@ -368,6 +412,108 @@ def test_compose_rabbitmq_enables_prometheus_and_prometheus_scrapes_everything()
     assert any(v.startswith("./grafana/dashboards:") for v in grafana["volumes"])
 
 
+def _custody_services() -> dict[str, dict[str, Any]]:
+    """The compose services that run the custody image."""
+    return {n: s for n, s in _compose()["services"].items() if "build" in s}
+
+
+def _user(url: str) -> str:
+    if url.startswith(("postgresql://", "postgres://")):
+        return str(psycopg.conninfo.conninfo_to_dict(url).get("user", ""))
+    return urllib.parse.unquote(urllib.parse.urlparse(url).username or "")
+
+
+def _password(url: str) -> str:
+    return urllib.parse.unquote(urllib.parse.urlparse(url).password or "")
+
+
+def _urls(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    return {k: v for k, v in env.items() if k in URL_SETTINGS}
+
+
+def test_no_compose_service_but_migrate_connects_as_an_administrator() -> None:
+    services = _custody_services()
+    assert set(WORKER_TYPES) | {"migrate", "operator"} <= set(services)
+    for name, service in services.items():
+        urls = _urls(service)
+        if name == "migrate":
+            # it creates the roles and users the others connect as
+            assert {_user(u) for u in urls.values()} == ADMINS
+            continue
+        assert "CUSTODY_AMQP_MANAGEMENT_URL" not in urls, name
+        for key, url in urls.items():
+            assert _user(url) not in ADMINS, (name, key, url)
+
+
+@pytest.mark.parametrize("worker", [*WORKER_TYPES, "operator"])
+def test_every_compose_worker_sets_every_url_it_uses(worker: str) -> None:
+    """A URL left unset falls back to the Settings default: an administrator."""
+    defaults = Settings()
+    assert _user(defaults.database_url) in ADMINS and _user(defaults.amqp_url) in ADMINS
+    wanted = {
+        "operator": {"CUSTODY_DATABASE_URL"},
+        **{w: {"CUSTODY_DATABASE_URL", "CUSTODY_AMQP_URL"} for w in ENGINE},
+    }.get(worker, {"CUSTODY_PARTICIPANT_DATABASE_URL", "CUSTODY_AMQP_URL"})
+    assert set(_urls(_custody_services()[worker])) == wanted
+
+
+def _schema_roles() -> set[str]:
+    """The roles schema.sql creates (its "Least privilege" section)."""
+    text = (ROOT / "schema.sql").read_text()
+    match = re.search(r"FOREACH r IN ARRAY ARRAY\[(.*?)\] LOOP", text, re.S)
+    assert match, "schema.sql no longer creates its roles in one FOREACH loop"
+    return set(re.findall(r"'([a-z_]+)'", match.group(1)))
+
+
+def test_schema_sql_creates_one_role_per_engine_worker_and_the_operator() -> None:
+    assert _schema_roles() == {f"custody_{w}" for w in ENGINE} | {"custody_operator"}
+
+
+def _admin_env() -> dict[str, str]:
+    env: dict[str, str] = _custody_services()["migrate"]["environment"]
+    return env
+
+
+@pytest.mark.parametrize("worker", ENGINE)
+def test_compose_engine_workers_connect_as_their_own_role_and_broker_user(worker: str) -> None:
+    urls = _urls(_custody_services()[worker])
+    assert _user(urls["CUSTODY_DATABASE_URL"]) == f"custody_{worker}"
+    assert f"custody_{worker}" in _schema_roles()
+    assert _user(urls["CUSTODY_AMQP_URL"]) == f"custody-{worker}"
+    assert f"custody-{worker}" in broker.permissions({})
+    assert _password(urls["CUSTODY_AMQP_URL"]) == fleet.DEV_PASSWORD
+    # exactly how the demo and the tests connect it (workers.fleet.role_env)
+    expected = fleet.role_env(worker, None, _admin_env())
+    conninfo = psycopg.conninfo.conninfo_to_dict
+    assert conninfo(urls["CUSTODY_DATABASE_URL"]) == conninfo(expected["CUSTODY_DATABASE_URL"])
+    assert urls["CUSTODY_AMQP_URL"] == expected["CUSTODY_AMQP_URL"]
+
+
+@pytest.mark.parametrize("name", PARTICIPANTS)
+def test_compose_participants_connect_as_their_own_role_and_broker_user(name: str) -> None:
+    urls = _urls(_custody_services()[f"participant-{name}"])
+    [principal] = {r.principal for r in ROUTES.owned_by(name)}
+    assert _user(urls["CUSTODY_PARTICIPANT_DATABASE_URL"]) == cli.participant_role(name)
+    assert _user(urls["CUSTODY_AMQP_URL"]) == principal
+    expected = fleet.role_env("participant", name, _admin_env())
+    conninfo = psycopg.conninfo.conninfo_to_dict
+    assert conninfo(urls["CUSTODY_PARTICIPANT_DATABASE_URL"]) == conninfo(
+        expected["CUSTODY_PARTICIPANT_DATABASE_URL"]
+    )
+    assert urls["CUSTODY_AMQP_URL"] == expected["CUSTODY_AMQP_URL"]
+
+
+def test_compose_operator_is_the_operator_role_and_dev_users_use_the_workers_password() -> None:
+    services = _custody_services()
+    operator = services["operator"]
+    assert _user(operator["environment"]["CUSTODY_DATABASE_URL"]) == "custody_operator"
+    assert operator["profiles"] == ["tools"], "a one-off, not started by `up`"
+    assert operator["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    script = " ".join(services["migrate"]["entrypoint"] + services["migrate"]["command"])
+    assert f"custody broker dev-users --password {fleet.DEV_PASSWORD}" in script
+
+
 # Settings names --------------------------------------------------------------------
 
 
@@ -403,6 +549,143 @@ def test_every_custody_variable_is_a_setting() -> None:
         }
     )
     assert not unknown, f"CUSTODY_* names that workers.config.Settings does not read: {unknown}"
+
+
+# docs/deploy.md --------------------------------------------------------------------
+
+
+def _documented_secrets() -> list[tuple[str, dict[str, str]]]:
+    """Every `kubectl create secret generic NAME --from-literal=KEY=VALUE ...` in the docs."""
+    text = DOCS.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        match = re.search(r"create secret generic (\S+)(.*)$", line)
+        if match:
+            literals = re.findall(
+                r"--from-literal=([a-z-]+)=(?:'([^']*)'|\"([^\"]*)\")", match.group(2)
+            )
+            found.append((match.group(1), {k: a or b for k, a, b in literals}))
+    return found
+
+
+def test_documented_secrets_name_each_workers_own_role_and_broker_user() -> None:
+    secrets = _documented_secrets()
+    names = {name for name, _ in secrets}
+    for worker in ENGINE:
+        mine = [keys for name, keys in secrets if name == f"custody-{worker}"]
+        assert mine, f"docs/deploy.md creates no Secret custody-{worker}"
+        for keys in mine:
+            assert set(keys) == {"database-url", "amqp-url"}, (worker, keys)
+            assert _user(keys["database-url"]) == f"custody_{worker}", keys
+            assert _user(keys["amqp-url"]) == f"custody-{worker}", keys
+    for participant in PARTICIPANTS:
+        [principal] = {r.principal for r in ROUTES.owned_by(participant)}
+        mine = [keys for name, keys in secrets if name == f"custody-participant-{participant}"]
+        assert mine, participant
+        for keys in mine:
+            assert set(keys) == {"participant-database-url", "amqp-url"}, keys
+            assert _user(keys["participant-database-url"]) == cli.participant_role(participant)
+            assert _user(keys["amqp-url"]) == principal
+    [operator] = [keys for name, keys in secrets if name == "custody-operator"]
+    assert set(operator) == {"database-url"}
+    assert _user(operator["database-url"]) == "custody_operator"
+    worker_users = {f"custody_{w}" for w in ENGINE} | {f"custody-{w}" for w in ENGINE}
+    for name, keys in secrets:
+        for url in keys.values():
+            assert _user(url) not in ADMINS, (name, url)
+            if name in ("custody-migrate", "custody-keda"):
+                assert _user(url) not in worker_users, (name, url)
+    # every Secret the manifests mount is documented, with the keys they read
+    referenced = {
+        t["name"]
+        for ta in _by_kind("TriggerAuthentication").values()
+        for t in ta["spec"]["secretTargetRef"]
+    }
+    for name, obj in {**_by_kind("Deployment"), **_by_kind("Job")}.items():
+        container = _container(obj)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        for volume in obj["spec"]["template"]["spec"]["volumes"]:
+            if "secret" not in volume:
+                continue
+            secret = volume["secret"]["secretName"]
+            referenced.add(secret)
+            files = {
+                e["value"].removeprefix(mounts[volume["name"]] + "/")
+                for e in container["env"]
+                if e["name"].endswith("_FILE")
+                and e["value"].startswith(mounts[volume["name"]] + "/")
+            }
+            documented = [keys for n, keys in secrets if n == secret]
+            assert documented, f"{name} mounts Secret {secret}, which docs/deploy.md never creates"
+            for keys in documented:
+                assert files <= set(keys), (name, secret, files - set(keys))
+    assert referenced <= names
+
+
+def _table(heading: str) -> list[list[str]]:
+    """The rows of the first table after ``heading``, cells unquoted (`\\|` unescaped)."""
+    text = DOCS.read_text()
+    section = text[text.index(heading) :]
+    rows = []
+    for line in section.splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|") and not line.startswith("|---"):
+            cells = [
+                c.strip().strip("`").replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]
+            ]
+            rows.append(cells)
+        elif rows and not line.startswith("|"):
+            break
+    return rows[1:]  # without the header
+
+
+def test_documented_roles_are_the_roles_schema_sql_creates() -> None:
+    roles = {row[0] for row in _table("### Postgres roles")}
+    assert roles - {"custody_participant_<name>"} == _schema_roles()
+    assert "custody_participant_<name>" in roles
+    assert cli.participant_role("<name>") == "custody_participant_<name>"
+
+
+def test_documented_broker_permissions_are_workers_broker_permissions() -> None:
+    documented = {row[0]: (row[1], row[2], row[3]) for row in _table("### RabbitMQ users")}
+    assert documented == broker.permissions(
+        {r.principal: r.binding for r in ROUTES.by_name.values()}
+    )
+
+
+def _documented_operator_pod() -> dict[str, Any]:
+    text = DOCS.read_text()
+    match = re.search(r"operator_pod\(\) \{\n  cat <<EOF\n(.*?)\nEOF\n", text, re.S)
+    assert match, "docs/deploy.md: no operator_pod heredoc"
+    pod: dict[str, Any] = json.loads(match.group(1))
+    return pod
+
+
+def test_documented_operator_pod_is_the_operator_role_and_the_committers_operators() -> None:
+    spec = _documented_operator_pod()["spec"]
+    [container] = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["secrets"]["secret"]["secretName"] == "custody-operator"
+    assert volumes["operators"]["configMap"]["name"] == "$1"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    for key in env:
+        assert key in SETTINGS or key.removesuffix("_FILE") in SETTINGS, key
+    assert env["CUSTODY_DATABASE_URL_FILE"] == mounts["secrets"] + "/database-url"
+    assert env["CUSTODY_OPERATORS_FILE"] == mounts["operators"] + "/operators.toml"
+    # the committer's ConfigMap volume, found by the name the docs' jsonpath asks for
+    committer = _by_kind("Deployment")["custody-committer"]["spec"]["template"]["spec"]
+    assert '?(@.name=="operators")' in DOCS.read_text()
+    assert {v["name"]: v for v in committer["volumes"]}["operators"]["configMap"]["name"] == (
+        "custody-operators"
+    )
+    # the namespace's `restricted` Pod Security profile
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert spec["automountServiceAccountToken"] is False
 
 
 # Metrics, alerts, dashboard --------------------------------------------------------

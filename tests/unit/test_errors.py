@@ -69,12 +69,20 @@ def test_transient_server_conditions_before_commit_are_redone(sqlstate: str) -> 
 
 @BOTH
 @pytest.mark.parametrize(
-    "sqlstate",
-    ["23505", "23503", "23514", "22P02", "42P01", "42703", "42601", "XX000", "P0001", "CU002", ""],
+    "sqlstate", ["23505", "23503", "23514", "22P02", "42804", "XX000", "P0001", "CU002", ""]
 )
 def test_everything_else_is_fatal(sqlstate: str, during_commit: bool) -> None:
-    """A bug or a broken deployment: let the worker die rather than loop on it."""
+    """A unit that cannot succeed (a bug, or a message that triggers one): redoing it
+    would only fail again, so it is not retried (a consumer isolates the message)."""
     assert classify_sqlstate(sqlstate, during_commit=during_commit) is Retry.FATAL
+
+
+@BOTH
+@pytest.mark.parametrize("sqlstate", ["42501", "42P01", "42703", "42601", "3F000", "28P01"])
+def test_a_broken_deployment_is_nobody_s_message(sqlstate: str, during_commit: bool) -> None:
+    """Missing grants, tables, columns or schemas, or a bad login: every message would
+    fail the same way, so none is dead-lettered; the worker stops instead."""
+    assert classify_sqlstate(sqlstate, during_commit=during_commit) is Retry.BROKEN
 
 
 def test_fenced_is_a_database_error_and_every_error_is_a_custody_error() -> None:

@@ -193,12 +193,6 @@ def test_non_json_serialisable_fields_do_not_crash_the_formatter(
     assert not schema_errors([obj], tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: JsonFormatter's json.dumps(default=str) calls str() on the value; a field whose "
-    "str() raises makes logging print a non-JSON '--- Logging error ---' traceback to stderr "
-    "and the event is lost",
-)
 def test_a_field_whose_str_raises_still_yields_one_json_line(stream: io.StringIO) -> None:
     class Hostile:
         def __str__(self) -> str:
@@ -212,12 +206,6 @@ def test_a_field_whose_str_raises_still_yields_one_json_line(stream: io.StringIO
     assert isinstance(obj["thing"], str)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: JsonFormatter passes fields to json.dumps(default=str); a dict field with "
-    "non-string keys (tuple, frozenset) raises TypeError (default= is not applied to keys), "
-    "so logging prints a non-JSON '--- Logging error ---' traceback to stderr",
-)
 def test_a_dict_field_with_non_string_keys_does_not_crash_the_formatter(
     stream: io.StringIO,
 ) -> None:
@@ -227,12 +215,6 @@ def test_a_dict_field_with_non_string_keys_does_not_crash_the_formatter(
     assert isinstance(obj["counts"], dict) and len(obj["counts"]) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: JsonFormatter uses json.dumps' default allow_nan=True, so a NaN or infinite "
-    "float field is written as the bare token NaN/Infinity: not JSON (RFC 8259), rejected by "
-    "strict parsers (jq, Loki/Elastic JSON pipelines)",
-)
 def test_nan_and_infinity_are_not_written_as_invalid_json(stream: io.StringIO) -> None:
     runtime.event("metrics.sampled", ratio=float("nan"), age=float("-inf"))
     line = lines_of(stream)[0]
@@ -242,11 +224,6 @@ def test_nan_and_infinity_are_not_written_as_invalid_json(stream: io.StringIO) -
     assert not constants, f"non-JSON constants {constants} in {line}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: JsonFormatter does payload.update(fields) after setting the stable keys, so "
-    "a field named ts, event or logger replaces them (level cannot be passed to event())",
-)
 def test_fields_cannot_replace_the_stable_keys(stream: io.StringIO) -> None:
     runtime.event("worker.started", ts="yesterday", logger="someone-else", worker="x")
     obj = one_object(stream)
@@ -255,12 +232,6 @@ def test_fields_cannot_replace_the_stable_keys(stream: io.StringIO) -> None:
     assert isinstance(obj["ts"], float)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: records of third-party loggers (aio_pika, aiormq, psycopg.pool, asyncio) "
-    "keep their free-text message as 'event' (e.g. 'Connection attempt to \"amqp://...\" "
-    "failed: ...'), which is not a stable dotted event name",
-)
 def test_a_third_party_record_gets_a_stable_event_name_and_keeps_its_message(
     tmp_path: Path,
 ) -> None:
