@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS inbox (
   accepted_at    timestamptz NOT NULL DEFAULT now(),
   completed_at   timestamptz,
   claimed_until  timestamptz,
-  executions     integer NOT NULL DEFAULT 0
+  executions     integer NOT NULL DEFAULT 0,
+  traceparent    text
 );
 CREATE INDEX IF NOT EXISTS inbox_open ON inbox (accepted_at) WHERE status = 'accepted';
 CREATE INDEX IF NOT EXISTS inbox_operation ON inbox (operation_id, attempt);
@@ -79,3 +80,6 @@ CREATE TABLE IF NOT EXISTS outbox (
   published_at     timestamptz
 );
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (next_attempt_at) WHERE status = 'pending';
+
+-- Added after the first release: kept idempotent for existing participant schemas.
+ALTER TABLE inbox ADD COLUMN IF NOT EXISTS traceparent text;

@@ -263,11 +263,11 @@ SELECT request_id::text FROM tombstones WHERE request_id = ANY(%(ids)s);
 
 -- name: p_inbox_accept
 INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
-                   status, effect, owner_revision)
+                   status, effect, owner_revision, traceparent)
 SELECT * FROM unnest(%(request_id)s::uuid[], %(tenant)s::text[], %(operation_id)s::uuid[],
                      %(attempt)s::int[], %(operation)s::text[], %(digest)s::text[],
                      %(command)s::jsonb[], %(status)s::text[], %(effect)s::text[],
-                     %(owner_revision)s::int[])
+                     %(owner_revision)s::int[], %(traceparent)s::text[])
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id::text;
 
@@ -299,7 +299,7 @@ VALUES (%(reason)s, %(detail)s, %(message_id)s, %(body)s);
 
 -- name: p_exec_claim
 SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, command,
-       owner_revision, executions
+       owner_revision, executions, traceparent
   FROM inbox
  WHERE status = 'accepted' AND (claimed_until IS NULL OR claimed_until < now())
  ORDER BY accepted_at

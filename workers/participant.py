@@ -33,7 +33,7 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import broker, consumer, db, faults, metrics, publisher, retention, runtime
+from workers import broker, consumer, db, faults, metrics, publisher, retention, runtime, tracing
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
@@ -109,13 +109,17 @@ def _receipt(
     )
 
 
-def _outbox_row(message_id: str, body: bytes, operation_id: str) -> dict[str, Any]:
+def _outbox_row(
+    message_id: str, body: bytes, operation_id: str, traceparent: str | None
+) -> dict[str, Any]:
+    """A receipt continues the trace of the command it answers (a new span)."""
+    headers = {"traceparent": tracing.child(traceparent)} if traceparent else {}
     return {
         "id": message_id,
         "exchange": broker.EXCHANGE_RECEIPTS,
         "routing_key": broker.RECEIPTS_KEY,
         "body": body,
-        "headers": db.jsonb({}),
+        "headers": db.jsonb(headers),
         "operation_id": operation_id,
     }
 
@@ -156,6 +160,7 @@ class Participant:
                 except codec.DecodeError as exc:
                     refused.append(_refused(d, exc.reason, exc.detail))
                     commands.append((d, None))
+            trace = {c.request_id: tracing.from_headers(d.headers) for d, c in commands if c}
             submits = [c for _, c in commands if isinstance(c, SubmitCommand)]
             ids = list({c.request_id for c in submits})
             stored = {r["request_id"]: r for r in await tx.rows("p_inbox_get", {"ids": ids})}
@@ -262,6 +267,7 @@ class Participant:
                         "status": [s for _, s, _ in fresh],
                         "effect": ["none" for _ in fresh],
                         "owner_revision": [1 for _ in fresh],
+                        "traceparent": [trace.get(c.request_id) for c, _, _ in fresh],
                     },
                 )
             for d, c in cancels:
@@ -271,8 +277,8 @@ class Participant:
                 else:
                     receipts.append(receipt)
             # journal first: a query in the same batch sees what this batch accepted
-            await self._emit(tx, receipts, unjournaled=conflict_answers)
-            await self._emit(tx, [], await self._answers(tx, queries))
+            await self._emit(tx, receipts, unjournaled=conflict_answers, trace=trace)
+            await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", conflicts)
             await tx.run_many("p_refused_insert", refused)
@@ -409,6 +415,7 @@ class Participant:
         receipts: Sequence[OperationReceipt],
         answers: Sequence[QueryAnswer] = (),
         unjournaled: Sequence[OperationReceipt] = (),
+        trace: Mapping[str, str] | None = None,
     ) -> None:
         """Journal our receipts (they answer later queries) and queue everything we say."""
         bodies = [(r, codec.encode(r)) for r in receipts]
@@ -424,9 +431,23 @@ class Participant:
                 for r, b in bodies
             ],
         )
-        rows = [_outbox_row(r.receipt_id, b, r.operation_id) for r, b in bodies]
-        rows += [_outbox_row(r.receipt_id, codec.encode(r), r.operation_id) for r in unjournaled]
-        rows += [_outbox_row(a.answer_id, codec.encode(a), a.operation_id) for a in answers]
+        trace = trace or {}
+
+        def tp(*keys: str) -> str | None:
+            return next((trace[k] for k in keys if k in trace), None)
+
+        rows = [
+            _outbox_row(r.receipt_id, b, r.operation_id, tp(r.in_reply_to, r.request_id))
+            for r, b in bodies
+        ]
+        rows += [
+            _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
+            for r in unjournaled
+        ]
+        rows += [
+            _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
+            for a in answers
+        ]
         await tx.run_many("p_outbox_insert", rows)
 
     async def execute(self) -> int:
@@ -439,7 +460,8 @@ class Participant:
                 receipt = await self._run_one(tx, row)
                 if receipt is not None:
                     receipts.append(receipt)
-            await self._emit(tx, receipts)
+            trace = {r["request_id"]: r["traceparent"] for r in rows if r["traceparent"]}
+            await self._emit(tx, receipts, trace=trace)
         return len(rows)
 
     async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:

@@ -975,11 +975,6 @@ async def publish_with_headers(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="MISSING: participant receipts carry no trace context: workers/participant.py "
-    "writes its outbox rows with headers {} instead of a child of the command's traceparent",
-)
 async def test_a_participants_receipt_continues_the_commands_trace(env: Env, crew: Crew) -> None:
     """The receipt answering a command is published in the command's trace (same trace
     id, its own span), through the participant's outbox row headers."""
