@@ -17,6 +17,7 @@ POINTS: Final = frozenset(
         "after_confirm_before_mark",
         "after_commit_before_ack",
         "mid_effect",
+        "after_effect_before_receipt_sent",
         "receipts_after_commit_before_ack",
     }
 )

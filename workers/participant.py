@@ -462,6 +462,8 @@ class Participant:
                     receipts.append(receipt)
             trace = {r["request_id"]: r["traceparent"] for r in rows if r["traceparent"]}
             await self._emit(tx, receipts, trace=trace)
+        if rows:
+            faults.crash_point("after_effect_before_receipt_sent")
         return len(rows)
 
     async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:

@@ -203,6 +203,39 @@ async def test_participant_completion_killed_mid_effect_rolls_back_and_executes_
 
 
 @pytest.mark.timeout(90)
+async def test_participant_killed_after_the_effect_before_its_receipt_is_sent(
+    env: Env, crew: Crew
+) -> None:
+    """A participant killed after the effect and its terminal receipt committed but
+    before the receipt left its outbox: no response ever reached the engine. The
+    restarted participant's outbox sends the stored receipt; nothing executes twice."""
+    doomed = crew.start("inventory", crash="after_effect_before_receipt_sent")
+    crew.start_all(skip=["inventory"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    completed = await count(
+        env,
+        "SELECT count(*) FROM participant_inventory.inbox WHERE status = 'succeeded'",
+        participant=True,
+    )
+    assert completed > 0, "the effect and its receipt committed before the kill"
+    unsent = await count(
+        env,
+        "SELECT count(*) FROM participant_inventory.outbox WHERE status = 'pending'",
+        participant=True,
+    )
+    assert unsent >= completed, "their terminal receipts had not been sent"
+    assert (
+        await count(env, "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'") == 0
+    ), "so the engine has no outcome for them"
+
+    assert_clean(crew.start("inventory"))
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+
+
+@pytest.mark.timeout(90)
 async def test_workflow_receipt_application_killed_before_ack_applies_once(
     env: Env, crew: Crew
 ) -> None:
