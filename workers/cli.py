@@ -206,32 +206,23 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    database = db.Database(
-        settings.database_url, schema="custody", name="cli", min_size=1, max_size=1
-    )
-    await database.open()
-    try:
-        async with database.transaction() as tx:
-            return await tx.rows(name, params)
-    finally:
-        await database.close()
+    async with (
+        db.connected(settings.database_url, schema="custody") as database,
+        database.transaction() as tx,
+    ):
+        return await tx.rows(name, params)
 
 
 async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
     params = {"reason": args.reason, "limit": args.limit}
     if args.participant:
-        database = db.Database(
-            settings.participant_database_url,
-            schema=participant_schema(args.participant),
-            name="cli",
-            max_size=1,
-        )
-        await database.open()
-        try:
-            async with database.transaction() as tx:
-                rows = await tx.rows("p_refused_list", params)
-        finally:
-            await database.close()
+        async with (
+            db.connected(
+                settings.participant_database_url, schema=participant_schema(args.participant)
+            ) as database,
+            database.transaction() as tx,
+        ):
+            rows = await tx.rows("p_refused_list", params)
     else:
         rows = await _query(settings, "quarantine_list", params)
     _print(rows, args.json)
@@ -299,12 +290,8 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
     from workers import authz, operator
 
     roles = authz.load(Path(settings.operators_file))
-    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
-    await database.open()
-    try:
+    async with db.connected(settings.database_url, schema="custody") as database:
         outcome = await call(operator.Operator(database, roles))
-    finally:
-        await database.close()
     codes = {
         operator.Result.DONE: EXIT_OK,
         operator.Result.REFUSED: EXIT_REFUSED,
@@ -362,35 +349,31 @@ async def cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_instance_show(settings: Settings, args: argparse.Namespace) -> int:
-    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
-    await database.open()
-    try:
-        async with database.transaction() as tx:
-            inst = await tx.one("instance_get", {"id": args.id}) if _uuid(args.id) else None
-            if inst is None:
-                print(f"no instance {args.id}", file=sys.stderr)
-                return EXIT_NOT_FOUND
-            inst["operations"] = await tx.rows("instance_operations", {"id": args.id})
-            inst["history"] = await tx.rows("instance_history", {"id": args.id})
-    finally:
-        await database.close()
+    async with (
+        db.connected(settings.database_url, schema="custody") as database,
+        database.transaction() as tx,
+    ):
+        inst = await tx.one("instance_get", {"id": args.id}) if _uuid(args.id) else None
+        if inst is None:
+            print(f"no instance {args.id}", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        inst["operations"] = await tx.rows("instance_operations", {"id": args.id})
+        inst["history"] = await tx.rows("instance_history", {"id": args.id})
     _print(inst, True)
     return EXIT_OK
 
 
 async def cmd_operation_show(settings: Settings, args: argparse.Namespace) -> int:
-    database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
-    await database.open()
-    try:
-        async with database.transaction() as tx:
-            op = await tx.one("operation_get", {"id": args.id}) if _uuid(args.id) else None
-            if op is None:
-                print(f"no operation {args.id}", file=sys.stderr)
-                return EXIT_NOT_FOUND
-            op["attempts"] = await tx.rows("operation_attempts", {"id": args.id})
-            op["receipts"] = await tx.rows("operation_receipts", {"id": args.id})
-    finally:
-        await database.close()
+    async with (
+        db.connected(settings.database_url, schema="custody") as database,
+        database.transaction() as tx,
+    ):
+        op = await tx.one("operation_get", {"id": args.id}) if _uuid(args.id) else None
+        if op is None:
+            print(f"no operation {args.id}", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        op["attempts"] = await tx.rows("operation_attempts", {"id": args.id})
+        op["receipts"] = await tx.rows("operation_receipts", {"id": args.id})
     _print(op, True)
     return EXIT_OK
 
@@ -445,24 +428,13 @@ async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
     _, catalog = engine.load_config(settings)
     retention.check(settings, catalog)
     if args.participant:
-        database = db.Database(
-            settings.participant_database_url,
-            schema=participant_schema(args.participant),
-            name="cli",
-            max_size=1,
-        )
-        await database.open()
-        try:
+        async with db.connected(
+            settings.participant_database_url, schema=participant_schema(args.participant)
+        ) as database:
             removed = await retention.cleanup_participant(database, settings.retention_s)
-        finally:
-            await database.close()
     else:
-        database = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
-        await database.open()
-        try:
+        async with db.connected(settings.database_url, schema="custody") as database:
             removed = await retention.cleanup_engine(database, settings.retention_s)
-        finally:
-            await database.close()
     _print({"horizon_s": settings.retention_s, "removed": removed}, args.json)
     return EXIT_OK
 
