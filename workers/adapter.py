@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import orjson
 
@@ -126,36 +126,34 @@ def submit(pinned: Pinned, *, traceparent: str | None = None) -> CommandRows:
     )
 
 
+def _about_the_submit(
+    pinned: Pinned, kind: Literal["query", "cancel"], sequence: int
+) -> dict[str, Any]:
+    """The fields a query or a cancel shares: the same immutable command identity."""
+    return {
+        "request_id": identity.request_id(pinned.operation_id, pinned.attempt, kind, sequence),
+        "tenant": pinned.tenant,
+        "operation_id": pinned.operation_id,
+        "attempt": pinned.attempt,
+        "operation": pinned.operation,
+        "target": pinned.target,
+        "digest": pinned.digest(),
+        "issued_at": datetime.now(UTC),
+        "submit_request_id": pinned.submit_request_id,
+    }
+
+
 def query(pinned: Pinned, *, sequence: int, traceparent: str | None = None) -> CommandRows:
-    digest = pinned.digest()
-    command = QueryCommand(
-        request_id=identity.request_id(pinned.operation_id, pinned.attempt, "query", sequence),
-        tenant=pinned.tenant,
-        operation_id=pinned.operation_id,
-        attempt=pinned.attempt,
-        operation=pinned.operation,
-        target=pinned.target,
-        digest=digest,
-        issued_at=datetime.now(UTC),
-        submit_request_id=pinned.submit_request_id,
+    command = QueryCommand(**_about_the_submit(pinned, "query", sequence))
+    return _rows(
+        pinned, "query", command.request_id, command.digest, codec.encode(command), traceparent
     )
-    return _rows(pinned, "query", command.request_id, digest, codec.encode(command), traceparent)
 
 
 def cancel(
     pinned: Pinned, *, sequence: int, reason: str, traceparent: str | None = None
 ) -> CommandRows:
-    digest = pinned.digest()
-    command = CancelCommand(
-        request_id=identity.request_id(pinned.operation_id, pinned.attempt, "cancel", sequence),
-        tenant=pinned.tenant,
-        operation_id=pinned.operation_id,
-        attempt=pinned.attempt,
-        operation=pinned.operation,
-        target=pinned.target,
-        digest=digest,
-        issued_at=datetime.now(UTC),
-        submit_request_id=pinned.submit_request_id,
-        reason=reason[:2000],
+    command = CancelCommand(**_about_the_submit(pinned, "cancel", sequence), reason=reason[:2000])
+    return _rows(
+        pinned, "cancel", command.request_id, command.digest, codec.encode(command), traceparent
     )
-    return _rows(pinned, "cancel", command.request_id, digest, codec.encode(command), traceparent)

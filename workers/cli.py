@@ -348,34 +348,42 @@ async def cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_instance_show(settings: Settings, args: argparse.Namespace) -> int:
+async def _show(
+    settings: Settings, noun: str, ident: str, query: str, parts: dict[str, str]
+) -> int:
+    """One row in full, with its related rows (exit 4 if there is none)."""
     async with (
         db.connected(settings.database_url, schema="custody") as database,
         database.transaction() as tx,
     ):
-        inst = await tx.one("instance_get", {"id": args.id}) if _uuid(args.id) else None
-        if inst is None:
-            print(f"no instance {args.id}", file=sys.stderr)
+        row = await tx.one(query, {"id": ident}) if _uuid(ident) else None
+        if row is None:
+            print(f"no {noun} {ident}", file=sys.stderr)
             return EXIT_NOT_FOUND
-        inst["operations"] = await tx.rows("instance_operations", {"id": args.id})
-        inst["history"] = await tx.rows("instance_history", {"id": args.id})
-    _print(inst, True)
+        for key, name in parts.items():
+            row[key] = await tx.rows(name, {"id": ident})
+    _print(row, True)
     return EXIT_OK
+
+
+async def cmd_instance_show(settings: Settings, args: argparse.Namespace) -> int:
+    return await _show(
+        settings,
+        "instance",
+        args.id,
+        "instance_get",
+        {"operations": "instance_operations", "history": "instance_history"},
+    )
 
 
 async def cmd_operation_show(settings: Settings, args: argparse.Namespace) -> int:
-    async with (
-        db.connected(settings.database_url, schema="custody") as database,
-        database.transaction() as tx,
-    ):
-        op = await tx.one("operation_get", {"id": args.id}) if _uuid(args.id) else None
-        if op is None:
-            print(f"no operation {args.id}", file=sys.stderr)
-            return EXIT_NOT_FOUND
-        op["attempts"] = await tx.rows("operation_attempts", {"id": args.id})
-        op["receipts"] = await tx.rows("operation_receipts", {"id": args.id})
-    _print(op, True)
-    return EXIT_OK
+    return await _show(
+        settings,
+        "operation",
+        args.id,
+        "operation_get",
+        {"attempts": "operation_attempts", "receipts": "operation_receipts"},
+    )
 
 
 def _uuid(value: str) -> bool:

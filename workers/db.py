@@ -234,7 +234,15 @@ class Database:
 
 @contextlib.asynccontextmanager
 async def connected(url: str, *, schema: str, name: str = "cli") -> AsyncIterator[Database]:
-    """A one-connection :class:`Database` for a command's lifetime (the CLI)."""
+    """A one-connection :class:`Database` for a command's lifetime (the CLI). An
+    unreachable database is said at once, in libpq's words, not after a pool timeout."""
+    try:
+        probe = await psycopg.AsyncConnection.connect(url, connect_timeout=5)
+    except psycopg.Error as exc:
+        raise errors.DatabaseError(
+            f"cannot connect to Postgres: {str(exc).strip()}", errors.Retry.FATAL
+        ) from exc
+    await probe.close()
     database = Database(url, schema=schema, name=name, min_size=1, max_size=1)
     await database.open()
     try:
