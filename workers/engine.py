@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers import broker, errors, metrics, process, retention, routes, runtime
@@ -24,39 +24,43 @@ class Context:
     routes: routes.Routes
     catalog: process.Catalog
 
-    async def reacquire(self) -> None:
-        """After a fenced commit: take the lease back under a new epoch, unless the
-        heartbeat already did (a lease still renewable is current)."""
-        if not await self.db.renew(self.lease):
+    _renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def _keep(self) -> bool:
+        """Renew the lease, or take it back under a new epoch if it had expired (then
+        whatever the old epoch had in flight cannot commit). Single-flight: the
+        heartbeat and a fenced unit never both take a new epoch. True if renewed."""
+        async with self._renewing:
+            if await self.db.renew(self.lease):
+                return True
+            metrics.LEASE_LOSSES.labels(self.worker).inc()
+            runtime.event(
+                "lease.lost",
+                logging.WARNING,
+                worker=self.worker,
+                holder=self.lease.holder,
+                epoch=self.lease.epoch,
+            )
             await self.db.acquire(self.lease)
+            return False
+
+    async def reacquire(self) -> None:
+        """After a fenced commit: the lease back under a new epoch (unless current)."""
+        await self._keep()
 
     async def heartbeat(self) -> None:
-        """Renew at a third of the TTL; a lease found expired is logged and re-taken
-        with a new epoch, so whatever the old epoch had in flight cannot commit."""
+        """Renew at a third of the TTL; a database outage is waited out (commits fail
+        anyway; if it outlasts the lease, the next beat takes a new epoch)."""
         while True:
             await asyncio.sleep(self.lease.ttl_s / 3)
             try:
-                renewed = await self.db.renew(self.lease)
+                await self._keep()
             except errors.DatabaseError as exc:
                 if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
                     raise
-                # the database is away: commits fail anyway; if the outage outlasts the
-                # lease, the next renewal finds it expired and takes a new epoch
                 runtime.event(
                     "lease.renew_failed", logging.WARNING, worker=self.worker, error=str(exc)[:300]
                 )
-                continue
-            if not renewed:
-                metrics.LEASE_LOSSES.labels(self.worker).inc()
-                runtime.event(
-                    "lease.lost",
-                    logging.WARNING,
-                    worker=self.worker,
-                    holder=self.lease.holder,
-                    epoch=self.lease.epoch,
-                )
-                with contextlib.suppress(errors.DatabaseError):
-                    await self.db.acquire(self.lease)  # else: again at the next beat
 
 
 def tls(settings: Settings) -> broker.Tls:

@@ -181,6 +181,17 @@ class ReceiptConsumer:
             if answer is not None:
                 return self._no_news(op, rows[op.id], w, "query answered: nothing newer")
             return "duplicate"
+        diverted = (
+            answer is not None
+            and decision.verdict is validation.Verdict.APPLY
+            and decision.status
+            not in lifecycle.TERMINAL
+            | {lifecycle.Status.RETRY_WAITING, lifecycle.Status.OUTCOME_UNKNOWN}
+        )
+        if diverted:
+            # the owner holds it but has not settled it: still no authoritative outcome.
+            # Not recorded: the receipt itself, delivered directly, still applies once.
+            return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
         seen[receipt.receipt_id] = decision.content_hash
         w.records.append(
             {
@@ -197,13 +208,6 @@ class ReceiptConsumer:
             if answer is not None:
                 return self._no_news(op, rows[op.id], w, f"query answered: {decision.verdict}")
             return decision.verdict.value
-        assert decision.status is not None and decision.effect is not None
-        if answer is not None and decision.status not in lifecycle.TERMINAL | {
-            lifecycle.Status.RETRY_WAITING,
-            lifecycle.Status.OUTCOME_UNKNOWN,
-        }:
-            # the owner holds it but has not settled it: still no authoritative outcome
-            return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
         self._apply(op, rows[op.id], receipt, decision, views, w)
         return "apply"
 
