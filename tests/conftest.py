@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import psycopg
 import pytest
 from psycopg import sql
@@ -22,6 +23,12 @@ from psycopg import sql
 from workers import broker, cli, fleet
 from workers.config import ROOT, Settings
 from workers.demo import _with_vhost
+
+# CI runs the property tests derandomized: the same examples every run, so a red CI is
+# a reproducible failure (locally they keep exploring new examples).
+hypothesis.settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    hypothesis.settings.load_profile("ci")
 
 PG_ADMIN = os.environ.get("CUSTODY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 AMQP = os.environ.get("CUSTODY_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/%2F")
