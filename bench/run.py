@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -41,8 +40,6 @@ from typing import IO, Any, LiteralString
 import psycopg
 
 from bench import baseline
-from contracts import codec
-from contracts.models import StartRequest
 from workers import broker, cli, demo, fleet
 from workers import db as workers_db
 from workers.config import ROOT, Settings
@@ -549,21 +546,12 @@ class CustodyResult:
 
 
 def _start_items(orders: Sequence[dict[str, Any]]) -> list[broker.Outgoing]:
-    items = []
-    for order in orders:
-        req = StartRequest(
-            tenant="acme",
-            start_request_id=str(uuid.uuid4()),
-            process="order-fulfilment",
-            input=order,
-            requested_by="bench",
+    return [
+        broker.start_request(
+            tenant="acme", process="order-fulfilment", input=order, requested_by="bench"
         )
-        items.append(
-            broker.Outgoing(
-                req.start_request_id, broker.EXCHANGE_REQUESTS, broker.START_KEY, codec.encode(req)
-            )
-        )
-    return items
+        for order in orders
+    ]
 
 
 async def _publish_starts(

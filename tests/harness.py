@@ -10,8 +10,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import codec
-from contracts.models import StartRequest
 from participants import samples
 from workers import (
     broker,
@@ -133,19 +131,9 @@ async def publish_starts(
     """Publish start requests (broker-confirmed); returns their start request ids."""
     ids, items = [], []
     for o in orders:
-        req = StartRequest(
-            tenant=tenant,
-            start_request_id=str(uuid.uuid4()),
-            process=process,
-            input=dict(o),
-            requested_by="test",
-        )
-        ids.append(req.start_request_id)
-        items.append(
-            broker.Outgoing(
-                req.start_request_id, broker.EXCHANGE_REQUESTS, broker.START_KEY, codec.encode(req)
-            )
-        )
+        item = broker.start_request(tenant=tenant, process=process, input=o, requested_by="test")
+        ids.append(item.message_id)
+        items.append(item)
     async with client(settings) as amqp:
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
         outcomes = await pub.publish_many(items)

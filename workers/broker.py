@@ -19,6 +19,7 @@ import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -33,6 +34,8 @@ from aio_pika.abc import (
 )
 from pamqp import commands as spec
 
+from contracts import codec
+from contracts.models import StartRequest
 from workers import adapter, errors
 
 EXCHANGE_COMMANDS: Final = adapter.EXCHANGE_COMMANDS
@@ -62,6 +65,21 @@ class Outgoing:
     routing_key: str
     body: bytes
     headers: Mapping[str, Any] = field(default_factory=dict)
+
+
+def start_request(
+    *, tenant: str, process: str, input: Mapping[str, Any], requested_by: str
+) -> Outgoing:
+    """A new start request (a fresh start request id, which is also its message_id),
+    ready to publish to the requests exchange."""
+    request = StartRequest(
+        tenant=tenant,
+        start_request_id=str(uuid.uuid4()),
+        process=process,
+        input=dict(input),
+        requested_by=requested_by,
+    )
+    return Outgoing(request.start_request_id, EXCHANGE_REQUESTS, START_KEY, codec.encode(request))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from typing import Any
 import orjson
 
 from contracts import codec
-from contracts.models import StartRequest
 from workers import broker, db, engine, errors, retention, runtime
 from workers.config import ROOT, Settings
 
@@ -174,22 +173,11 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
         ids = []
         items = []
         for _ in range(args.count):
-            request = StartRequest(
-                tenant=args.tenant,
-                start_request_id=str(uuid.uuid4()),
-                process=args.process,
-                input=data,
-                requested_by=args.actor,
+            item = broker.start_request(
+                tenant=args.tenant, process=args.process, input=data, requested_by=args.actor
             )
-            ids.append(request.start_request_id)
-            items.append(
-                broker.Outgoing(
-                    request.start_request_id,
-                    broker.EXCHANGE_REQUESTS,
-                    broker.START_KEY,
-                    codec.encode(request),
-                )
-            )
+            ids.append(item.message_id)
+            items.append(item)
         outcomes = await pub.publish_many(items)
     finally:
         await amqp.close()

@@ -16,15 +16,12 @@ import random
 import sys
 import time
 import urllib.parse
-import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from contracts import codec
-from contracts.models import StartRequest
 from participants import samples
 from workers import broker, cli, fleet
 from workers.config import ROOT, Settings
@@ -199,23 +196,12 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
         amqp = broker.Broker(amqp_url, "demo-client")
         await amqp.connect()
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
-        items = []
-        for order in orders(instances):
-            req = StartRequest(
-                tenant="acme",
-                start_request_id=str(uuid.uuid4()),
-                process="order-fulfilment",
-                input=order,
-                requested_by="demo",
+        items = [
+            broker.start_request(
+                tenant="acme", process="order-fulfilment", input=order, requested_by="demo"
             )
-            items.append(
-                broker.Outgoing(
-                    req.start_request_id,
-                    broker.EXCHANGE_REQUESTS,
-                    broker.START_KEY,
-                    codec.encode(req),
-                )
-            )
+            for order in orders(instances)
+        ]
         t_publish = time.monotonic()
         outcomes = await pub.publish_many(items)
         await amqp.close()

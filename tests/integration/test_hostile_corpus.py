@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 
 from contracts import codec, identity
 from contracts.models import StartRequest
+from tests.acceptance.support import assert_effects_once
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_participant import submit
@@ -287,16 +288,7 @@ async def test_a_hostile_corpus_into_every_queue_changes_nothing_while_real_work
     assert (
         await env.scalar("SELECT count(*) FROM custody.operations WHERE status <> 'succeeded'") == 0
     )
-    for schema, table in (
-        ("inventory", "reservations"),
-        ("payments", "charges"),
-        ("shipping", "shipments"),
-    ):
-        rows = await env.sql(
-            f"SELECT count(*), count(DISTINCT operation_id) FROM participant_{schema}.{table}",
-            participant=True,
-        )
-        assert rows == [(60, 60)], f"{schema}.{table}"
+    await assert_effects_once(env, 60)
     forged = await env.scalar(
         "SELECT count(*) FROM custody.operations WHERE result ? 'forged' OR owner_revision > 2"
     )
