@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install services demo test lint bench schemas clean
+.PHONY: install services demo test test-tools lint bench schemas clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,12 @@ services:
 demo: install services
 	$(BIN)/custody demo
 
-test: install services
+# The external tools tests run (check-jsonschema, promtool in .venv-tools), so that
+# `make test` passes on a fresh clone by itself; quick when already installed.
+test-tools:
+	bash scripts/install-test-tools.sh
+
+test: install services test-tools
 	$(BIN)/pytest
 
 lint: install

