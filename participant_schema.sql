@@ -83,3 +83,7 @@ CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (next_attempt_at) WHERE stat
 
 -- Added after the first release: kept idempotent for existing participant schemas.
 ALTER TABLE inbox ADD COLUMN IF NOT EXISTS traceparent text;
+
+-- The executor's claim: set in a short transaction, re-checked by each handler's own
+-- transaction (acceptance never waits behind execution).
+ALTER TABLE inbox ADD COLUMN IF NOT EXISTS claim_token uuid;

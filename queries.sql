@@ -66,14 +66,36 @@ INSERT INTO history (instance_id, operation_id, event, detail, actor)
 VALUES (%(instance_id)s, %(operation_id)s, %(event)s, %(detail)s, %(actor)s);
 
 -- name: successor_claim
+-- The instance row is locked with the intent: cancel takes the same lock, so the status
+-- read here is the one the new work is committed under (a cancel that commits first is
+-- seen; one that comes later sees the new operation and cancels it).
 SELECT s.id, s.instance_id, s.from_operation_id, s.outcome, s.next_node,
-       i.tenant, i.status::text AS instance_status, i.process, i.process_version, i.input,
-       i.traceparent, i.routes
+       i.tenant, i.status::text AS instance_status, i.suspended_reason, i.process,
+       i.process_version, i.input, i.traceparent, i.routes
   FROM successor_intents s JOIN instances i ON i.id = s.instance_id
- WHERE s.status = 'pending' AND i.status <> 'suspended'
+ WHERE s.status = 'pending' AND (s.not_before IS NULL OR s.not_before <= now())
+   AND (i.status <> 'suspended' OR i.suspended_reason = 'definition_missing')
  ORDER BY s.id
  LIMIT %(limit)s
-   FOR UPDATE OF s SKIP LOCKED;
+   FOR UPDATE OF s, i SKIP LOCKED;
+
+-- name: successor_defer
+UPDATE successor_intents SET not_before = now() + make_interval(secs => %(delay)s)
+ WHERE id = %(id)s AND status = 'pending';
+
+-- name: successors_suppress
+-- Cancel settles the instance's pending successors: none of them creates work.
+UPDATE successor_intents SET status = 'done', done_at = now()
+ WHERE instance_id = %(id)s AND status = 'pending'
+RETURNING id, from_operation_id, next_node;
+
+-- name: instance_suspend_for
+UPDATE instances SET status = 'suspended', suspended_reason = %(reason)s, updated_at = now()
+ WHERE id = %(id)s AND status = 'running';
+
+-- name: instance_resume_from
+UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = now()
+ WHERE id = %(id)s AND status = 'suspended' AND suspended_reason = %(reason)s;
 
 -- name: instance_results
 SELECT instance_id, node, result FROM operations
@@ -96,6 +118,9 @@ UPDATE instances SET status = %(status)s, finished_at = now(), updated_at = now(
 -- name: outbox_claim
 -- Effect dispatch (submits) waits while dispatch is paused, globally or for the
 -- instance; queries and cancels still flow (the restore runbook reconciles while paused).
+-- A submit is dispatched only for its operation's current attempt, while that operation
+-- is in flight and its instance running: a suspended instance's submit is held, a
+-- settled or cancelling operation's is never sent (submits_retire retires it).
 UPDATE outbox o
    SET claimed_by = %(holder)s,
        claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
@@ -105,9 +130,12 @@ UPDATE outbox o
                    AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
                    AND (b.kind <> 'submit' OR (
                         NOT %(held)s AND NOT (SELECT dispatch_paused FROM control)
-                        AND NOT EXISTS (SELECT 1 FROM operations op
-                                          JOIN instances i ON i.id = op.instance_id
-                                         WHERE op.id = b.operation_id AND i.dispatch_paused)))
+                        AND EXISTS (SELECT 1 FROM operations op
+                                      JOIN instances i ON i.id = op.instance_id
+                                      JOIN attempts a ON a.request_id = b.id
+                                     WHERE op.id = b.operation_id AND NOT i.dispatch_paused
+                                       AND i.status = 'running' AND a.attempt = op.attempt
+                                       AND op.status IN ('pending', 'dispatched', 'accepted'))))
                  ORDER BY b.next_attempt_at
                  LIMIT %(limit)s
                    FOR UPDATE OF b SKIP LOCKED)
@@ -147,20 +175,35 @@ SELECT count(*) AS pending,
 
 -- name: operations_dispatched
 -- The confirm mark never moves an operation backward; the deadline clock starts here.
--- Only a submit's confirm dispatches (the caller passes submits' operation ids): a
--- query's or a cancel's confirm is not progress. By primary key, never a join.
-UPDATE operations
+-- Only a submit's confirm dispatches (the caller passes the confirmed submits' request
+-- ids, i.e. outbox ids, and their operation ids), and only the submit of the
+-- operation's current attempt: a query's or a cancel's confirm is not progress, and a
+-- late confirm of attempt n's submit does not dispatch attempt n+1, whose own submit
+-- may not have been sent. By primary key on operations (the request ids only filter).
+UPDATE operations o
    SET status = 'dispatched', updated_at = now(),
        deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
- WHERE id = ANY(%(ids)s) AND status = 'pending'
-RETURNING id, instance_id;
+ WHERE o.id = ANY(%(ids)s) AND o.status = 'pending'
+   AND EXISTS (SELECT 1 FROM attempts a
+                WHERE a.request_id = ANY(%(requests)s::uuid[]) AND a.kind = 'submit'
+                  AND a.operation_id = o.id AND a.attempt = o.attempt)
+RETURNING o.id, o.instance_id;
 
 -- name: operations_lock
-SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
-       attempt, status, effect, owner_revision, receipt_hash, lineage, created_at
-  FROM operations WHERE id = ANY(%(ids)s)
- ORDER BY id
-   FOR UPDATE;
+SELECT o.id, o.tenant, o.instance_id, o.node, o.operation, o.route, o.owner, o.principal,
+       o.binding, o.input, o.attempt, o.status, o.effect, o.owner_revision, o.receipt_hash,
+       o.lineage, o.created_at, i.status::text AS instance_status
+  FROM operations o JOIN instances i ON i.id = o.instance_id
+ WHERE o.id = ANY(%(ids)s)
+ ORDER BY o.id
+   FOR UPDATE OF o;
+
+-- name: revisions_seen
+-- Every (operation, attempt, owner revision) already recorded, with its content.
+SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_inbox
+ WHERE (operation_id, attempt, owner_revision) IN (
+       SELECT * FROM unnest(%(operation_id)s::uuid[], %(attempt)s::int[],
+                            %(owner_revision)s::int[]));
 
 -- name: attempts_for
 SELECT request_id::text, operation_id::text, attempt, kind, digest
@@ -220,7 +263,7 @@ UPDATE operations SET status = %(status)s, updated_at = now()
 
 -- name: instance_unsuspend
 -- Progress resumes once no operation of the instance is left without an outcome.
-UPDATE instances SET status = 'running', updated_at = now()
+UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = now()
  WHERE id = %(id)s AND status = 'suspended'
    AND NOT EXISTS (SELECT 1 FROM operations
                     WHERE instance_id = %(id)s
@@ -298,23 +341,43 @@ INSERT INTO refused (reason, detail, message_id, body)
 VALUES (%(reason)s, %(detail)s, %(message_id)s, %(body)s);
 
 -- name: p_exec_claim
+-- A short transaction: the executor marks a batch as its own (claim token, expiry) and
+-- commits; no row lock outlives it. A row whose handler runs right now is locked by
+-- that handler's transaction and skipped; a crashed executor's claims expire, and an
+-- executor redoing its unit after a transient failure takes its own back at once.
+UPDATE inbox i
+   SET claimed_until = clock_timestamp() + make_interval(secs => %(ttl)s),
+       claim_token = %(token)s
+ WHERE i.request_id IN (SELECT request_id FROM inbox
+                         WHERE status = 'accepted'
+                           AND (claimed_until IS NULL OR claimed_until < clock_timestamp()
+                                OR claim_token = %(token)s)
+                         ORDER BY accepted_at
+                         LIMIT %(limit)s
+                           FOR UPDATE SKIP LOCKED)
+RETURNING i.request_id::text, i.accepted_at;
+
+-- name: p_exec_lock
+-- One handler's transaction re-locks its row and re-checks it: still accepted (a
+-- cancel may have settled it since the claim) and still claimed by this executor (an
+-- expired claim may have been taken by another). No row: the handler does not run.
 SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, command,
        owner_revision, executions, traceparent
   FROM inbox
- WHERE status = 'accepted' AND (claimed_until IS NULL OR claimed_until < now())
- ORDER BY accepted_at
- LIMIT %(limit)s
-   FOR UPDATE SKIP LOCKED;
+ WHERE request_id = %(request_id)s AND status = 'accepted' AND claim_token = %(token)s
+   FOR UPDATE;
 
 -- name: p_exec_complete
 UPDATE inbox
    SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
-       result = %(result)s, error = %(error)s, completed_at = now()
+       result = %(result)s, error = %(error)s, completed_at = now(),
+       claimed_until = NULL, claim_token = NULL
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- name: p_exec_defer
-UPDATE inbox SET claimed_until = now() + make_interval(secs => %(delay)s),
-                 executions = executions + 1
+-- The claim is dropped (no token) and the row waits out its backoff before any claim.
+UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(delay)s),
+                 claim_token = NULL, executions = executions + 1
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- name: p_latest_receipts
@@ -326,6 +389,18 @@ SELECT DISTINCT ON (request_id) request_id::text, body FROM receipts
 INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
 VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
 ON CONFLICT (id) DO NOTHING;
+
+-- name: p_answer_upsert
+-- Every query is answered, a repeated one included (a restored engine re-issues query
+-- ids): an answer row that exists is re-armed with the current answer. A row claimed
+-- by a publisher right now loses its claim, so its mark fails and it is sent again: a
+-- publication always starts after the query was retained.
+INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
+VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
+ON CONFLICT (id) DO UPDATE
+   SET body = excluded.body, headers = excluded.headers, status = 'pending',
+       next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL,
+       published_at = NULL, last_error = NULL;
 
 -- name: p_refused_list
 SELECT id, reason, detail, message_id, received_at FROM refused
@@ -428,9 +503,10 @@ SELECT id, instance_id, status::text FROM operations
 -- Cancellation ---------------------------------------------------------------------
 
 -- name: start_locks
--- Serialises a start request with its cancellation: exactly one of the two wins.
+-- Serialises a start request with its cancellation: exactly one of the two wins. The key
+-- is the id's canonical spelling, whatever spelling the caller used.
 SELECT pg_advisory_xact_lock(k)
-  FROM (SELECT DISTINCT hashtext(t || '/' || s) AS k
+  FROM (SELECT DISTINCT hashtext(t || '/' || s::uuid::text) AS k
           FROM unnest(%(tenant)s::text[], %(start_request_id)s::text[]) AS u(t, s)
          ORDER BY 1) AS keys;
 
@@ -473,6 +549,23 @@ UPDATE operations
        finished_at = CASE WHEN %(status)s::text = 'cancelled' THEN now() END
  WHERE id = %(id)s AND status = %(expected)s;
 
+-- name: submits_retire
+-- A submit that must never be sent: its operation is settled or cancelling, or it is
+-- for an earlier attempt. Retired (never deleted), each with a history row.
+UPDATE outbox b
+   SET status = 'retired', claimed_by = NULL, claim_expires_at = NULL,
+       last_error = 'retired: operation ' || op.status::text
+  FROM operations op
+ WHERE b.status = 'pending' AND b.kind = 'submit' AND op.id = b.operation_id
+   AND (%(operation_id)s::uuid IS NULL OR b.operation_id = %(operation_id)s::uuid)
+   AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
+   AND (op.status IN ('succeeded', 'failed', 'cancelled', 'cancelling')
+        OR b.id <> (SELECT a.request_id FROM attempts a
+                     WHERE a.operation_id = op.id AND a.attempt = op.attempt
+                       AND a.kind = 'submit'))
+RETURNING b.id::text AS request_id, op.id AS operation_id, op.instance_id,
+          op.status::text AS operation_status;
+
 -- name: instance_settle_cancel
 -- A cancelling instance is cancelled once every operation has authoritative evidence.
 UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now()
@@ -482,10 +575,17 @@ UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now
                       AND status NOT IN ('succeeded', 'failed', 'cancelled'));
 
 -- name: p_inbox_lock
+-- Acceptance never waits behind execution: a row locked by a running handler (or a
+-- concurrent short transaction) is skipped; p_inbox_peek then tells which.
 SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, status,
        owner_revision, command
   FROM inbox WHERE request_id = %(id)s
-   FOR UPDATE;
+   FOR UPDATE SKIP LOCKED;
+
+-- name: p_inbox_peek
+-- Without a lock: does the row exist, and does an executor hold an unexpired claim.
+SELECT request_id::text, coalesce(claimed_until > clock_timestamp(), false) AS claimed
+  FROM inbox WHERE request_id = %(id)s;
 
 -- name: p_tombstone_insert
 INSERT INTO tombstones (request_id, tenant, operation_id, reason)
@@ -515,11 +615,13 @@ UPDATE control SET dispatch_paused = true, restore_generation = restore_generati
 RETURNING restore_generation;
 
 -- name: restore_candidates
--- Every operation of the restored state that is not settled and not already asked.
+-- Every operation of the restored state whose outcome is not authoritative (cancelling
+-- included: its cancel's answer may be in the lost future), not already asked.
+-- retry_waiting is authoritative (effect none, from a validated receipt).
 SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
        lineage, attempt, digest, status::text, effect::text, deadline_seconds
   FROM operations
- WHERE status IN ('pending', 'dispatched', 'accepted', 'outcome_unknown', 'reconcile_pending')
+ WHERE status NOT IN ('succeeded', 'failed', 'cancelled', 'retry_waiting')
    AND NOT (id = ANY(%(done)s))
  ORDER BY id
  LIMIT %(limit)s

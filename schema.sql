@@ -235,6 +235,23 @@ DROP TRIGGER IF EXISTS successor_notify ON custody.successor_intents;
 CREATE TRIGGER successor_notify AFTER INSERT ON custody.successor_intents
   FOR EACH STATEMENT EXECUTE FUNCTION custody.notify_successor();
 
+-- Added after the first release (idempotent for existing databases) ----------------
+-- Why an instance is suspended when it is not an unknown outcome: 'definition_missing'
+-- (its pinned process version is not loaded); the committer resumes it by itself once
+-- the version is back.
+ALTER TABLE custody.instances ADD COLUMN IF NOT EXISTS suspended_reason text;
+-- A successor that could not be activated yet is tried again after this moment.
+ALTER TABLE custody.successor_intents ADD COLUMN IF NOT EXISTS not_before timestamptz;
+-- 'retired': a command that must never be sent (its operation is settled, cancelling or
+-- at a later attempt); kept for the record, with a history row.
+ALTER TABLE custody.outbox DROP CONSTRAINT IF EXISTS outbox_status_check;
+ALTER TABLE custody.outbox ADD CONSTRAINT outbox_status_check
+  CHECK (status IN ('pending', 'published', 'retired'));
+-- Every (operation, attempt, owner revision) the receipt consumer has seen, with the
+-- content it carried: a repeated revision with changed content is rejected.
+CREATE INDEX IF NOT EXISTS receipt_inbox_revision
+  ON custody.receipt_inbox (operation_id, attempt, owner_revision);
+
 -- Fencing: called last inside every engine commit. A worker paused past its lease
 -- (a zombie) fails here, inside its own transaction, whatever its local clock says.
 CREATE OR REPLACE FUNCTION custody.fence(p_holder text, p_epoch bigint)
@@ -284,7 +301,7 @@ GRANT SELECT, UPDATE ON custody.successor_intents TO custody_committer;
 
 -- outbox publisher: claims and marks; the confirm mark moves pending → dispatched
 GRANT SELECT, UPDATE ON custody.outbox TO custody_publisher;
-GRANT SELECT ON custody.instances TO custody_publisher;
+GRANT SELECT ON custody.instances, custody.attempts TO custody_publisher;
 GRANT SELECT, UPDATE ON custody.operations TO custody_publisher;
 GRANT INSERT ON custody.history TO custody_publisher;
 
@@ -312,6 +329,9 @@ GRANT UPDATE ON custody.operations, custody.instances, custody.node_states, cust
 GRANT INSERT ON custody.attempts, custody.outbox, custody.history, custody.audit,
   custody.start_tombstones TO custody_operator;
 GRANT DELETE ON custody.receipt_inbox, custody.outbox, custody.quarantine TO custody_operator;
+-- cancel suppresses pending successors and retires the submits it makes undeliverable
+GRANT UPDATE ON custody.successor_intents, custody.outbox TO custody_operator;
+GRANT UPDATE ON custody.outbox TO custody_committer;
 
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler, custody_operator;

@@ -19,6 +19,16 @@ def _derive(*parts: object) -> str:
     return str(uuid.uuid5(NAMESPACE, "|".join(str(p) for p in parts)))
 
 
+def canonical(value: str) -> str | None:
+    """The one spelling of an id (lower-case, hyphenated, no braces or urn prefix), or
+    None if ``value`` is not a UUID. Every id that enters at an edge (the CLI, the
+    broker) is canonicalised before it is compared, hashed into a lock or stored."""
+    try:
+        return str(uuid.UUID(value.strip()))
+    except (ValueError, AttributeError):
+        return None
+
+
 def instance_id(tenant: str, start_request_id: str) -> str:
     return _derive("instance", tenant, start_request_id)
 

@@ -21,6 +21,9 @@ Tenant = Name
 Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Text = Annotated[str, StringConstraints(max_length=2000)]
 Attempt = Annotated[int, Field(ge=1, le=10_000)]
+# Every integer is bounded by the column that stores it (Postgres int4), so an absurd
+# value is refused by the contract, never by the database halfway through a batch.
+Positive = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 def _json_object(value: dict[str, Any]) -> dict[str, Any]:
@@ -55,9 +58,9 @@ class Lineage(Contract):
 
     instance_id: Id
     process: Name
-    process_version: Annotated[int, Field(ge=1)]
+    process_version: Positive
     node: Name
-    activation: Annotated[int, Field(ge=1)]
+    activation: Positive
 
 
 class _CommandBase(Contract):
@@ -136,7 +139,7 @@ class OperationReceipt(Contract):
     owner: Name
     principal: Name
     command_digest: Digest
-    owner_revision: Annotated[int, Field(ge=1)]
+    owner_revision: Positive
     status: CommandStatus
     effect: Effect
     result: JsonObject | None = None

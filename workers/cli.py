@@ -14,13 +14,14 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from contracts import codec
-from workers import broker, db, engine, errors, retention, runtime
+from workers import broker, db, engine, errors, process, retention, routes, runtime
 from workers.config import ROOT, Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
@@ -435,6 +436,28 @@ async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def cmd_definitions_check(settings: Settings, args: argparse.Namespace) -> int:
+    """Load the routes file and every process definition as a worker's start-up does
+    (contract names, the digest's domain, the routes, the retention horizon)."""
+    checked = replace(
+        settings,
+        routes_file=args.routes or settings.routes_file,
+        processes_dir=args.dir or settings.processes_dir,
+    )
+    try:
+        table, catalog = engine.load_config(checked)
+    except (routes.RouteConfigError, process.DefinitionError) as exc:
+        print(f"custody: definitions refused: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    retention.check(checked, catalog)
+    versions = ", ".join(f"{n} v{v}" for n, v in sorted(catalog.definitions))
+    print(
+        f"definitions ok: {len(catalog.definitions)} in {checked.processes_dir} ({versions}) "
+        f"fit {len(table.by_name)} routes in {checked.routes_file}"
+    )
+    return EXIT_OK
+
+
 async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     _print(settings.redacted(), True)
     return EXIT_OK
@@ -629,6 +652,19 @@ def parser() -> argparse.ArgumentParser:
     cs = c.add_parser("schemas", help="write (or --check) contracts/schemas/*.json")
     cs.add_argument("--check", action="store_true")
     cs.set_defaults(fn=cmd_schemas)
+
+    dc = (
+        sub.add_parser("definitions", help="process definitions")
+        .add_subparsers(dest="df", required=True)
+        .add_parser(
+            "check",
+            help="load the routes file and the process definitions as a worker would "
+            "(CUSTODY_ROUTES_FILE, CUSTODY_PROCESSES_DIR); exit 0 ok, 2 refused",
+        )
+    )
+    dc.add_argument("--dir", help="a processes directory instead of CUSTODY_PROCESSES_DIR")
+    dc.add_argument("--routes", help="a routes file instead of CUSTODY_ROUTES_FILE")
+    dc.set_defaults(fn=cmd_definitions_check)
 
     sub.add_parser("config").add_subparsers(dest="cf", required=True).add_parser(
         "show", help="effective settings, secrets redacted"

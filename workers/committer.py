@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pydantic
 
 from contracts import codec, digest, identity
 from contracts.models import CancelRequest, ExecutorRoute, Lineage, StartRequest
@@ -38,6 +39,16 @@ from workers.config import Settings
 
 ACTOR = "committer"
 AckPolicy = "ack after commit; malformed starts are quarantined and acked"
+DEFINITION_MISSING = "definition_missing"  # instances.suspended_reason
+DEFINITION_RETRY_S = 30.0
+# What building one activation can raise for one instance's data or definition: that
+# instance fails (or its start is quarantined) with the reason; the worker goes on.
+ACTIVATION_ERRORS = (
+    process.InputError,
+    digest.CanonicalFormError,
+    KeyError,
+    pydantic.ValidationError,
+)
 
 
 @dataclass(frozen=True)
@@ -223,6 +234,8 @@ class Committer:
                     tenant=s.tenant,
                     start_request_id=s.start_request_id,
                 )
+            if valid:
+                await faults.point("starts_locked")
             valid = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) not in tombstoned]
             ids = [identity.instance_id(s.tenant, s.start_request_id) for _, s in valid]
             existing = {r["id"]: r for r in await tx.rows("instances_get", {"ids": ids})}
@@ -264,6 +277,13 @@ class Committer:
                 except (process.InputError, digest.CanonicalFormError) as exc:
                     quarantine.append(
                         _quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant)
+                    )
+                    continue
+                except ACTIVATION_ERRORS as exc:
+                    # the definition cannot be activated for this start: kept, with why
+                    metrics.ACTIVATION_FAILURES.labels("activation_failed").inc()
+                    quarantine.append(
+                        _quarantine_row(d, "activation_failed", str(exc), tenant=start.tenant)
                     )
                     continue
                 seen.add(iid)
@@ -327,11 +347,17 @@ class Committer:
             metrics.quarantined(row["source"], row["reason"])
 
     async def commit_successors(self) -> int:
-        """Claim a batch of successor intents and commit their transitions."""
+        """Claim a batch of successor intents and commit their transitions.
+
+        Each intent's instance is locked with it, so the status it is judged by is the
+        one its new work commits under. One instance that cannot be activated (its
+        pinned version is not loaded, its data or definition does not fit the
+        contracts) is suspended or failed with the reason; the others go on."""
         async with self.db.transaction(self.lease) as tx:
             intents = await tx.rows("successor_claim", {"limit": self.settings.batch_size})
             if not intents:
                 return 0
+            await faults.point("successor_claimed")
             ids = list({i["instance_id"] for i in intents})
             results: dict[Any, dict[str, Any]] = {}
             for r in await tx.rows("instance_results", {"ids": ids}):
@@ -342,24 +368,33 @@ class Committer:
             }
             plans: list[Plan] = []
             history: list[dict[str, Any]] = []
+            done: list[Any] = []
             for intent in intents:
                 iid = intent["instance_id"]
                 nxt = intent["next_node"]
-                if intent["instance_status"] != "running":
+                status = intent["instance_status"]
+                try:
+                    definition = self.catalog.get(intent["process"], intent["process_version"])
+                except process.DefinitionError as exc:
+                    await self._definition_missing(tx, intent, str(exc), history)
+                    continue  # the intent stays pending, tried again later
+                done.append(intent["id"])
+                if status == "suspended":  # only a definition_missing one is claimed
+                    await tx.run("instance_resume_from", {"id": iid, "reason": DEFINITION_MISSING})
                     history.append(
-                        _history(
-                            iid,
-                            "successor.suppressed",
-                            {"instance_status": intent["instance_status"]},
-                        )
+                        _history(iid, "instance.resumed", {"cause": "definition loaded"})
+                    )
+                    status = "running"
+                if status != "running":
+                    history.append(
+                        _history(iid, "successor.suppressed", {"instance_status": status})
                     )
                     continue
                 if nxt in (process.END_COMPLETED, process.END_FAILED):
-                    status = "completed" if nxt == process.END_COMPLETED else "failed"
-                    await tx.run("instance_finish", {"id": iid, "status": status})
-                    history.append(_history(iid, f"instance.{status}", {}))
+                    end = "completed" if nxt == process.END_COMPLETED else "failed"
+                    if await tx.run("instance_finish", {"id": iid, "status": end}):
+                        history.append(_history(iid, f"instance.{end}", {}))
                     continue
-                definition = self.catalog.get(intent["process"], intent["process_version"])
                 pinned = {
                     k: ExecutorRoute.model_validate(v, strict=False)
                     for k, v in intent["routes"].items()
@@ -381,14 +416,58 @@ class Committer:
                             traceparent=intent["traceparent"],
                         )
                     )
-                except (process.InputError, digest.CanonicalFormError, KeyError) as exc:
-                    await tx.run("instance_finish", {"id": iid, "status": "failed"})
-                    history.append(_history(iid, "instance.failed", {"error": str(exc)}))
+                except ACTIVATION_ERRORS as exc:
+                    metrics.ACTIVATION_FAILURES.labels("activation_failed").inc()
+                    runtime.event(
+                        "instance.activation_failed",
+                        logging.ERROR,
+                        instance_id=str(iid),
+                        node=nxt,
+                        error=str(exc)[:300],
+                    )
+                    if await tx.run("instance_finish", {"id": iid, "status": "failed"}):
+                        history.append(
+                            _history(
+                                iid,
+                                "instance.failed",
+                                {"reason": "activation_failed", "node": nxt, "error": str(exc)},
+                            )
+                        )
             await _write_plans(tx, plans)
             await tx.run_many("history_insert", history)
-            await tx.run("successor_done", {"ids": [i["id"] for i in intents]})
-        metrics.TRANSITIONS.labels("successor").inc(len(intents))
+            await tx.run("successor_done", {"ids": done})
+        metrics.TRANSITIONS.labels("successor").inc(len(done))
         return len(intents)
+
+    async def _definition_missing(
+        self, tx: db.Tx, intent: dict[str, Any], error: str, history: list[dict[str, Any]]
+    ) -> None:
+        """The instance's pinned process version is not loaded: an alert and a
+        suspended instance (never a redirect to another version, never a crash). The
+        intent waits; once a deployment loads the version again, it goes on."""
+        iid = intent["instance_id"]
+        metrics.ACTIVATION_FAILURES.labels(DEFINITION_MISSING).inc()
+        runtime.event(
+            "instance.definition_missing",
+            logging.ERROR,
+            instance_id=str(iid),
+            process=intent["process"],
+            version=intent["process_version"],
+            error=error[:300],
+        )
+        await tx.run("successor_defer", {"id": intent["id"], "delay": DEFINITION_RETRY_S})
+        if await tx.run("instance_suspend_for", {"id": iid, "reason": DEFINITION_MISSING}):
+            history.append(
+                _history(
+                    iid,
+                    "instance.suspended",
+                    {
+                        "reason": DEFINITION_MISSING,
+                        "process": intent["process"],
+                        "version": intent["process_version"],
+                    },
+                )
+            )
 
     def _warn_drift(self, instance_id: Any, pinned: Mapping[str, ExecutorRoute]) -> None:
         """A pinned route that the current file changed or removed is an alert, never a

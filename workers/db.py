@@ -166,8 +166,13 @@ class Database:
     async def transaction(
         self, lease: Lease | None = None, *, epoch: int | None = None
     ) -> AsyncIterator[Tx]:
-        """One transaction; with a lease, the commit is fenced by its epoch — or by
-        ``epoch``, the one a multi-step unit started under (a claim, then a mark)."""
+        """One transaction; with a lease, the commit is fenced by the epoch the lease had
+        when the transaction began — or by ``epoch``, the one a multi-step unit started
+        under (a claim, then a mark)."""
+        # The epoch is the one in force when the unit *began*: a heartbeat that takes
+        # the lease back (epoch + 1) while this unit was paused must not make the
+        # paused unit's commit current again.
+        fence_epoch = None if lease is None else (lease.epoch if epoch is None else epoch)
         try:
             async with self._pool.connection() as conn:
                 committing = False
@@ -176,8 +181,7 @@ class Database:
                         yield Tx(conn)
                         if lease is not None:
                             await conn.execute(
-                                "SELECT custody.fence(%s, %s)",
-                                (lease.holder, lease.epoch if epoch is None else epoch),
+                                "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
                             )
                         committing = True
                 except psycopg.Error as exc:

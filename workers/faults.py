@@ -2,12 +2,19 @@
 
 Enabled only through ``CUSTODY_CRASH_POINTS`` (comma-separated names), which the
 fault tests set for one worker process. Each point fires once per process.
+
+Points inside a unit's transaction (:func:`point`) can also freeze the process there
+(``CUSTODY_STOP_POINTS``: a pause past its lease, a zombie) or, for tests that run
+workers in-process, await a hook the test registered (:func:`set_hook`): that is how
+a race is forced at an exact step instead of hoped for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 POINTS: Final = frozenset(
@@ -19,8 +26,16 @@ POINTS: Final = frozenset(
         "mid_effect",
         "after_effect_before_receipt_sent",
         "receipts_after_commit_before_ack",
+        # inside a unit's transaction, after its rows were claimed and locked
+        "starts_locked",
+        "successor_claimed",
+        "receipts_locked",
+        "deadlines_claimed",
     }
 )
+# After a stop point resumes, the unit yields this long before its next statement, as a
+# unit with more I/O to do would: the worker's other tasks (the heartbeat) run first.
+RESUME_YIELD_S: Final = 0.5
 
 _enabled = frozenset(p for p in os.environ.get("CUSTODY_CRASH_POINTS", "").split(",") if p)
 # Stop points: the process SIGSTOPs itself there (a pause past its lease: a zombie).
@@ -40,6 +55,32 @@ def crash_point(name: str) -> None:
     if name in _stops and name not in _stopped:
         _stopped.add(name)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+_hooks: dict[str, Callable[[], Awaitable[None]]] = {}
+
+
+def set_hook(name: str, hook: Callable[[], Awaitable[None]] | None) -> None:
+    """Tests with in-process workers: await ``hook`` whenever :func:`point` ``name`` is
+    reached (None removes it)."""
+    if name not in POINTS:
+        raise ValueError(f"unknown crash point {name!r}")
+    if hook is None:
+        _hooks.pop(name, None)
+    else:
+        _hooks[name] = hook
+
+
+async def point(name: str) -> None:
+    """A point inside a unit of work: crash, freeze (then let the other tasks run), or
+    await the test's hook there."""
+    frozen = name in _stops and name not in _stopped
+    crash_point(name)
+    if frozen:
+        await asyncio.sleep(RESUME_YIELD_S)
+    hook = _hooks.get(name)
+    if hook is not None:
+        await hook()
 
 
 def enabled(name: str) -> bool:

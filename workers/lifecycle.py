@@ -47,6 +47,9 @@ class Event(enum.StrEnum):
     FAILED_RETRYABLE = "receipt.failed.retryable"  # effect none, and the node may retry
     FAILED_UNKNOWN = "receipt.failed.effect_unknown"
     CANCELLED = "receipt.cancelled"
+    # a query found the owner cancelled the work, under a cancel the engine does not
+    # hold (a restored engine predates it): authoritative, effect none
+    QUERY_CANCELLED = "query.cancelled"
     REJECTED = "receipt.rejected"  # refused before any effect (effect none)
     CONFLICT = "receipt.conflict"  # the owner holds other work under this identity
     DEADLINE = "deadline"
@@ -100,6 +103,7 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     **{(s, E.FAILED_UNKNOWN): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
     (S.CANCELLING, E.FAILED_UNKNOWN): S.CANCELLING,
     (S.CANCELLING, E.CANCELLED): S.CANCELLED,
+    **{(s, E.QUERY_CANCELLED): S.CANCELLED for s in (S.RECONCILE_PENDING, S.CANCELLING)},
     **{(s, E.REJECTED): S.FAILED for s in _UNRESOLVED},
     (S.CANCELLING, E.REJECTED): S.CANCELLED,
     **{(s, E.CONFLICT): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
@@ -135,13 +139,21 @@ def next_status(status: Status, event: Event) -> Status | Ignore:
 
 
 def receipt_event(
-    status: str, effect: str, error_code: str | None, *, retryable: bool = False
+    status: str,
+    effect: str,
+    error_code: str | None,
+    *,
+    retryable: bool = False,
+    answer: bool = False,
 ) -> Event:
     """Map a validated receipt's (status, effect) to the lifecycle event it is.
 
     ``retryable``: the node's retry policy allows another attempt for this error. A
-    retry is only ever planned on an authoritative effect ``none``.
+    retry is only ever planned on an authoritative effect ``none``. ``answer``: the
+    receipt came inside a query answer.
     """
+    if status == "cancelled" and answer:
+        return Event.QUERY_CANCELLED
     if status == "accepted":
         return Event.ACCEPTED
     if status == "succeeded":

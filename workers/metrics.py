@@ -78,6 +78,11 @@ DEAD_LETTERED: Final = Counter(
     "Poison deliveries sent to the dead-letter exchange after isolating them",
     ["worker"],
 )
+ACTIVATION_FAILURES: Final = Counter(
+    "custody_activation_failures_total",
+    "Node activations the committer could not make: the instance was failed or suspended",
+    ["reason"],
+)
 SUCCESSOR_PENDING: Final = Gauge(
     "custody_successor_intents_pending", "Successor intents not yet committed by a committer"
 )

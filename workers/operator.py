@@ -15,10 +15,10 @@ established by a validated receipt.
 from __future__ import annotations
 
 import enum
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts import identity
 from workers import adapter, authz, db, lifecycle
 
 POLICY = "policy"
@@ -88,7 +88,8 @@ class Operator:
     async def _operation(
         self, tx: db.Tx, op_id: str, actor: str, action: str, reason: str
     ) -> dict[str, Any]:
-        row = await tx.one("operation_for_update", {"id": op_id}) if _is_uuid(op_id) else None
+        canonical = identity.canonical(op_id)
+        row = await tx.one("operation_for_update", {"id": canonical}) if canonical else None
         if row is None:
             raise _Refused(Result.NOT_FOUND, f"no operation {op_id}")
         self._authorize(actor, action, row["tenant"], reason)
@@ -180,9 +181,8 @@ class Operator:
                     None,
                     {"dispatch_paused": paused},
                 )
-            inst = (
-                await tx.one("instance_get", {"id": instance_id}) if _is_uuid(instance_id) else None
-            )
+            canonical = identity.canonical(instance_id)
+            inst = await tx.one("instance_get", {"id": canonical}) if canonical else None
             if inst is None:
                 raise _Refused(Result.NOT_FOUND, f"no instance {instance_id}")
             self._authorize(actor, action, inst["tenant"], reason)
@@ -214,11 +214,8 @@ class Operator:
         authoritative evidence. Repeating it re-sends the cancels."""
 
         async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
-            inst = (
-                await tx.one("instance_for_update", {"id": instance_id})
-                if _is_uuid(instance_id)
-                else None
-            )
+            canonical = identity.canonical(instance_id)
+            inst = await tx.one("instance_for_update", {"id": canonical}) if canonical else None
             if inst is None:
                 raise _Refused(Result.NOT_FOUND, f"no instance {instance_id}")
             self._authorize(actor, "cancel", inst["tenant"], reason)
@@ -240,14 +237,15 @@ class Operator:
         """Cancel a start request: its instance if it exists, otherwise a durable
         tombstone, so that a late start creates nothing."""
 
+        # one spelling, so that the lock below is the one the start takes
+        canonical = identity.canonical(start_request_id)
+
         async def body(tx: db.Tx) -> tuple[str, str, dict[str, Any]]:
-            if not _is_uuid(start_request_id):
+            if canonical is None:
                 raise _Refused(Result.NOT_FOUND, f"{start_request_id!r} is not a start request id")
             self._authorize(actor, "cancel-start", tenant, reason)
-            keys = {"tenant": tenant, "start_request_id": start_request_id}
-            await tx.rows(
-                "start_locks", {"tenant": [tenant], "start_request_id": [start_request_id]}
-            )
+            keys = {"tenant": tenant, "start_request_id": canonical}
+            await tx.rows("start_locks", {"tenant": [tenant], "start_request_id": [canonical]})
             found = await tx.one("instance_by_start", keys)
             if found is not None:
                 inst = await tx.one("instance_for_update", {"id": found["id"]})
@@ -262,17 +260,17 @@ class Operator:
                 )
             await tx.run("start_tombstone_insert", {**keys, "actor": actor, "reason": reason})
             return (
-                f"start {start_request_id} is tombstoned: if it arrives, it creates nothing",
+                f"start {canonical} is tombstoned: if it arrives, it creates nothing",
                 tenant,
-                {"start_request_id": start_request_id, "tombstoned": True},
+                {"start_request_id": canonical, "tombstoned": True},
             )
 
         return await self._run(
             actor,
             "cancel-start",
-            f"{tenant}/{start_request_id}",
+            f"{tenant}/{canonical or start_request_id}",
             reason,
-            {"tenant": tenant, "start_request_id": start_request_id},
+            {"tenant": tenant, "start_request_id": canonical or start_request_id},
             body,
         )
 
@@ -319,6 +317,18 @@ async def cancel_in(tx: db.Tx, inst: dict[str, Any], actor: str, reason: str) ->
         await _history(
             tx, row, f"operation.{target.value}", actor, {"from": current.value, "reason": reason}
         )
+        await retire_submits(tx, actor, operation_id=row["id"])
+    for intent in await tx.rows("successors_suppress", {"id": inst["id"]}):
+        await tx.run(
+            "history_insert",
+            {
+                "instance_id": inst["id"],
+                "operation_id": intent["from_operation_id"],
+                "event": "successor.suppressed",
+                "detail": db.jsonb({"next_node": intent["next_node"], "cause": "cancel"}),
+                "actor": actor,
+            },
+        )
     await tx.run(
         "history_insert",
         {
@@ -347,6 +357,28 @@ async def cancel_in(tx: db.Tx, inst: dict[str, Any], actor: str, reason: str) ->
         "cancelling": cancelling,
         "cancelled": cancelled,
     }
+
+
+async def retire_submits(tx: db.Tx, actor: str, operation_id: Any = None) -> int:
+    """Retire the pending submits that must never be sent (of one operation, or all):
+    the operation is settled or cancelling, or the submit is for an earlier attempt."""
+    retired = await tx.rows("submits_retire", {"operation_id": operation_id})
+    await tx.run_many(
+        "history_insert",
+        [
+            {
+                "instance_id": r["instance_id"],
+                "operation_id": r["operation_id"],
+                "event": "command.retired",
+                "detail": db.jsonb(
+                    {"request_id": r["request_id"], "operation_status": r["operation_status"]}
+                ),
+                "actor": actor,
+            }
+            for r in retired
+        ],
+    )
+    return len(retired)
 
 
 async def new_attempt(
@@ -416,11 +448,3 @@ async def _audit(
             "outcome": outcome,
         },
     )
-
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(value)
-    except ValueError:
-        return False
-    return True

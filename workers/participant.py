@@ -5,8 +5,9 @@ It owns two commit boundaries in the participant's own database:
 * *acceptance*: a batch of commands is retained (inbox row with its identity and
   semantic digest, plus an ``accepted`` receipt in the participant's outbox) in one
   transaction; the deliveries are acked only after that commit;
-* *completion*: the business effect and the terminal receipt commit together, one
-  savepoint per command inside one transaction per batch.
+* *completion*: the business effect and the terminal receipt commit together, in one
+  transaction per command (the batch is only *claimed* together, in a short
+  transaction of its own: acceptance never waits behind a running handler).
 
 A repeated command with the same digest gets the existing receipt again (same id,
 same bytes) and never runs the handler again; the same identity with a different
@@ -16,7 +17,9 @@ the participant's own outbox publisher, under the participant's broker user.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,12 +36,25 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import broker, consumer, db, faults, metrics, publisher, retention, runtime, tracing
+from workers import (
+    broker,
+    consumer,
+    db,
+    errors,
+    faults,
+    metrics,
+    publisher,
+    retention,
+    runtime,
+    tracing,
+)
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
 AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
 MAX_EXECUTIONS = 5
+CANCEL_LOCK_TRIES = 3  # a cancel finding its row locked by a short transaction
+CANCEL_LOCK_RETRY_S = 0.02
 CLEANUP_EVERY_S = 60.0
 
 
@@ -138,6 +154,9 @@ class Participant:
         self.cancel_hooks = dict(cancel_hooks or {})
         self.settings = settings
         self.db = database
+        # This executor's claims. One execute() at a time per instance (serve runs one
+        # loop), so a redo after a transient failure takes its unfinished claims back.
+        self._claim_token = str(uuid.uuid4())
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
@@ -161,16 +180,35 @@ class Participant:
                     refused.append(_refused(d, exc.reason, exc.detail))
                     commands.append((d, None))
             trace = {c.request_id: tracing.from_headers(d.headers) for d, c in commands if c}
-            submits = [c for _, c in commands if isinstance(c, SubmitCommand)]
-            ids = list({c.request_id for c in submits})
-            stored = {r["request_id"]: r for r in await tx.rows("p_inbox_get", {"ids": ids})}
+            checked = [(d, c, None if c is None else self._refusal(c)) for d, c in commands]
+            ids = list({c.request_id for _, c, _ in checked if isinstance(c, SubmitCommand)})
             tombstoned = {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
-            batch_seen: dict[str, str] = {}
-            for d, c in commands:
+            # The first admissible submit of each identity is offered to the inbox; the
+            # outcome comes from the insert itself, never from a read before it (a
+            # replica may be inserting the same identity right now).
+            offered: dict[str, SubmitCommand] = {}
+            for _, c, why in checked:
+                if isinstance(c, SubmitCommand) and why is None and c.request_id not in tombstoned:
+                    offered.setdefault(c.request_id, c)
+            inserted = await self._insert(tx, list(offered.values()), trace)
+            # Rows the insert did not return were there already, or were just taken by a
+            # concurrent transaction: the insert waited for it to commit (READ COMMITTED),
+            # so this new statement sees them. They are duplicates or conflicts.
+            stored = {
+                r["request_id"]: r
+                for r in await tx.rows(
+                    "p_inbox_get", {"ids": [i for i in offered if i not in inserted]}
+                )
+            }
+            missing = [i for i in offered if i not in inserted and i not in stored]
+            if missing:  # gone again at once (retention past its horizon): decide afresh
+                raise errors.DatabaseError(
+                    f"inbox rows {missing} neither inserted nor found", errors.Retry.RETRY
+                )
+            for d, c, why in checked:
                 if c is None:
                     decisions.append("refused")
                     continue
-                why = self._refusal(c)
                 if why is not None:
                     refused.append(_refused(d, why[0], why[1]))
                     decisions.append("refused")
@@ -183,26 +221,21 @@ class Participant:
                     cancels.append((d, c))
                     decisions.append("cancel")
                     continue
-                known = stored.get(c.request_id)
-                known_digest = known["digest"] if known else batch_seen.get(c.request_id)
                 if c.request_id in tombstoned:
                     # cancelled before acceptance: refused, answered with the cancellation
                     refused.append(_refused(d, "tombstoned", "cancelled before acceptance"))
                     reemit.append(c.request_id)
                     decisions.append("tombstoned")
                     continue
-                if known_digest is None:
-                    handler_known = c.operation in self.handlers
-                    fresh.append(
-                        (
-                            c,
-                            "accepted" if handler_known else "rejected",
-                            "" if handler_known else "unknown_operation",
-                        )
-                    )
-                    batch_seen[c.request_id] = c.digest
-                    decisions.append("accepted" if handler_known else "rejected")
-                elif known_digest == c.digest:
+                if c.request_id in inserted and offered[c.request_id] is c:
+                    status, code = _acceptance(c, self.handlers)
+                    fresh.append((c, status, code))
+                    decisions.append(status)
+                    continue
+                known = stored.get(c.request_id)
+                # an identity this batch inserted is compared with what it inserted
+                known_digest = known["digest"] if known else offered[c.request_id].digest
+                if known_digest == c.digest:
                     reemit.append(c.request_id)
                     decisions.append("duplicate")
                 else:
@@ -251,25 +284,6 @@ class Participant:
                         else None,
                     )
                 )
-            if fresh:
-                await tx.rows(
-                    "p_inbox_accept",
-                    {
-                        "request_id": [c.request_id for c, _, _ in fresh],
-                        "tenant": [c.tenant for c, _, _ in fresh],
-                        "operation_id": [c.operation_id for c, _, _ in fresh],
-                        "attempt": [c.attempt for c, _, _ in fresh],
-                        "operation": [c.operation for c, _, _ in fresh],
-                        "digest": [c.digest for c, _, _ in fresh],
-                        "command": [
-                            orjson.dumps(c.model_dump(mode="json")).decode() for c, _, _ in fresh
-                        ],
-                        "status": [s for _, s, _ in fresh],
-                        "effect": ["none" for _ in fresh],
-                        "owner_revision": [1 for _ in fresh],
-                        "traceparent": [trace.get(c.request_id) for c, _, _ in fresh],
-                    },
-                )
             for d, c in cancels:
                 receipt = await self._cancel(tx, c, refused, conflicts, d)
                 if receipt is None:
@@ -289,6 +303,30 @@ class Participant:
             metrics.quarantined(f"participant.{self.me.owner}", row["reason"])
         return decisions
 
+    async def _insert(
+        self, tx: db.Tx, offered: Sequence[SubmitCommand], trace: Mapping[str, str | None]
+    ) -> set[str]:
+        """Offer new identities to the inbox; returns the ones this transaction took."""
+        if not offered:
+            return set()
+        rows = await tx.rows(
+            "p_inbox_accept",
+            {
+                "request_id": [c.request_id for c in offered],
+                "tenant": [c.tenant for c in offered],
+                "operation_id": [c.operation_id for c in offered],
+                "attempt": [c.attempt for c in offered],
+                "operation": [c.operation for c in offered],
+                "digest": [c.digest for c in offered],
+                "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c in offered],
+                "status": [_acceptance(c, self.handlers)[0] for c in offered],
+                "effect": ["none" for _ in offered],
+                "owner_revision": [1 for _ in offered],
+                "traceparent": [trace.get(c.request_id) for c in offered],
+            },
+        )
+        return {r["request_id"] for r in rows}
+
     async def _cancel(
         self,
         tx: db.Tx,
@@ -306,7 +344,9 @@ class Participant:
             "operation_id": c.operation_id,
             "attempt": c.attempt,
         }
-        row = await tx.one("p_inbox_lock", {"id": c.submit_request_id})
+        row, busy = await self._lock_for_cancel(tx, c.submit_request_id)
+        if busy:
+            return None  # being executed right now: its terminal receipt is the evidence
         if row is None:
             await tx.run("p_tombstone_insert", {**identity_, "reason": c.reason})
             won = await tx.rows(
@@ -328,7 +368,9 @@ class Participant:
                     in_reply_to=c.request_id,
                     digest=c.digest,
                 )
-            row = await tx.one("p_inbox_lock", {"id": c.submit_request_id})  # a submit won
+            row, busy = await self._lock_for_cancel(tx, c.submit_request_id)  # a submit won
+            if busy:
+                return None
             assert row is not None
         if row["digest"] != c.digest:
             conflicts.append(
@@ -368,6 +410,33 @@ class Participant:
             in_reply_to=c.request_id,
             digest=row["digest"],
         )
+
+    async def _lock_for_cancel(self, tx: db.Tx, request_id: str) -> tuple[db.Row | None, bool]:
+        """Lock an inbox row for a cancel without ever waiting behind execution.
+
+        Returns (row, False) with the row locked, (None, False) if there is no row, or
+        (None, True) if the row is busy. A handler's transaction holds its row's lock
+        for as long as the handler runs, and only a handler's transaction holds an
+        inbox row lock beside short acceptance and claim transactions; so a row that is
+        locked while an executor's claim on it is current is being executed right now.
+        That cancel can no longer prevent the effect: it is answered with the current
+        state (our latest receipt is re-emitted), the engine stays cancelling, and the
+        handler's terminal receipt, which commits with its effect, is the authoritative
+        evidence that settles it. A row locked without a current claim is held by a
+        short transaction (a claim being made, another replica's acceptance): tried
+        again briefly, then treated as busy too — acceptance never blocks on a lock.
+        """
+        for attempt in range(CANCEL_LOCK_TRIES):
+            row = await tx.one("p_inbox_lock", {"id": request_id})
+            if row is not None:
+                return row, False
+            peek = await tx.one("p_inbox_peek", {"id": request_id})
+            if peek is None:
+                return None, False
+            if peek["claimed"] or attempt + 1 == CANCEL_LOCK_TRIES:
+                return None, True
+            await asyncio.sleep(CANCEL_LOCK_RETRY_S)
+        raise AssertionError("unreachable")
 
     def _refusal(self, c: SubmitCommand | QueryCommand | CancelCommand) -> tuple[str, str] | None:
         if c.target.owner != self.me.owner or c.target.binding not in self.me.bindings:
@@ -444,27 +513,55 @@ class Participant:
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
             for r in unjournaled
         ]
-        rows += [
-            _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
-            for a in answers
-        ]
         await tx.run_many("p_outbox_insert", rows)
+        # an answer is (re)sent for every query received, a repeated one included
+        await tx.run_many(
+            "p_answer_upsert",
+            [
+                _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
+                for a in answers
+            ],
+        )
 
     async def execute(self) -> int:
-        """Run the handlers of a batch of accepted commands; effects and terminal
-        receipts commit together. Returns how many commands it claimed."""
+        """Run the handlers of a batch of accepted commands; returns how many it claimed.
+
+        The batch is claimed in a short transaction that commits at once (a claim token
+        and an expiry, no lock kept), so acceptance never waits behind a handler. Each
+        handler then runs in its own transaction, which re-locks its row and re-checks
+        that it is still accepted and still ours (a cancel may have settled it since),
+        and commits the business effect together with the terminal receipt. The row
+        lock, held for the whole handler, is what keeps a command from executing twice
+        at once: claims skip locked rows, and a claim that expired (a crashed or slow
+        executor) is re-checked under the lock before anything runs again.
+        """
         async with self.db.transaction() as tx:
-            rows = await tx.rows("p_exec_claim", {"limit": self.settings.batch_size})
-            receipts: list[OperationReceipt] = []
-            for row in rows:
-                receipt = await self._run_one(tx, row)
-                if receipt is not None:
-                    receipts.append(receipt)
-            trace = {r["request_id"]: r["traceparent"] for r in rows if r["traceparent"]}
-            await self._emit(tx, receipts, trace=trace)
-        if rows:
+            claimed = await tx.rows(
+                "p_exec_claim",
+                {
+                    "limit": self.settings.batch_size,
+                    "ttl": self.settings.lease_ttl_s,
+                    "token": self._claim_token,
+                },
+            )
+        for c in sorted(claimed, key=lambda r: (r["accepted_at"], r["request_id"])):
+            await self._execute_one(c["request_id"])
+        return len(claimed)
+
+    async def _execute_one(self, request_id: str) -> None:
+        receipt: OperationReceipt | None = None
+        async with self.db.transaction() as tx:
+            row = await tx.one(
+                "p_exec_lock", {"request_id": request_id, "token": self._claim_token}
+            )
+            if row is None:
+                return  # settled meanwhile (a cancel won), or another executor holds it now
+            receipt = await self._run_one(tx, row)
+            if receipt is not None:
+                trace = {request_id: row["traceparent"]} if row["traceparent"] else {}
+                await self._emit(tx, [receipt], trace=trace)
+        if receipt is not None:
             faults.crash_point("after_effect_before_receipt_sent")
-        return len(rows)
 
     async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:
         command = row["command"]
@@ -530,6 +627,11 @@ class Participant:
             result=result,
             error=error,
         )
+
+
+def _acceptance(c: SubmitCommand, handlers: Mapping[str, Handler]) -> tuple[str, str]:
+    """A new command's status and error code: accepted, or rejected without a handler."""
+    return ("accepted", "") if c.operation in handlers else ("rejected", "unknown_operation")
 
 
 def _cmd(c: SubmitCommand) -> dict[str, Any]:

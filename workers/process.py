@@ -12,18 +12,34 @@ an error. Anything else is taken literally.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
+from pydantic import StringConstraints, TypeAdapter, ValidationError
+
+from contracts import digest
+from contracts.models import Attempt, Name
 from workers.routes import Routes
 
 END_COMPLETED: Final = "@completed"
 END_FAILED: Final = "@failed"
 _FILE = re.compile(r"^(?P<name>[a-z0-9][a-z0-9_.\-]*)\.v(?P<version>[1-9][0-9]*)\.toml$")
+# What activation later feeds to the contracts is checked here, with the contracts' own
+# validators, so a bad file is refused at load instead of failing every activation.
+_NAME: Final = TypeAdapter(Name)
+_NAME_PATTERN: Final = next(
+    m.pattern for m in get_args(Name)[1:] if isinstance(m, StringConstraints)
+)
+_MAX_ATTEMPTS: Final = TypeAdapter(Attempt).json_schema()["maximum"]
+_MAX_VERSION: Final = 2**31 - 1  # instances.process_version is an integer column
+_NODE_KEYS: Final = frozenset(
+    {"route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds", "retry"}
+)
 
 
 class DefinitionError(ValueError):
@@ -107,27 +123,33 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
         raw_nodes = data["nodes"]
     except KeyError as exc:
         raise DefinitionError(f"missing key {exc}") from None
+    _check_name("process", "name", name)
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or not 1 <= version <= _MAX_VERSION
+    ):
+        raise DefinitionError(f"version must be an integer >= 1, not {version!r}")
+    if not isinstance(raw_nodes, dict) or not raw_nodes:
+        raise DefinitionError("nodes must be a non-empty table of nodes")
     nodes: dict[str, Node] = {}
     for node_name, body in raw_nodes.items():
-        unknown = set(body) - {
-            "route",
-            "operation",
-            "input",
-            "on_succeeded",
-            "on_failed",
-            "deadline_seconds",
-            "retry",
-        }
+        _check_name(f"node {node_name!r}", "name", node_name)
+        if not isinstance(body, dict):
+            raise DefinitionError(f"node {node_name!r}: must be a table")
+        unknown = set(body) - _NODE_KEYS
         if unknown:
             raise DefinitionError(f"node {node_name!r}: unknown keys {sorted(unknown)}")
         try:
             node = Node(
                 name=node_name,
-                route=body["route"],
+                route=_string(node_name, "route", body["route"]),
                 operation=body["operation"],
-                input=body.get("input", {}),
-                on_succeeded=body.get("on_succeeded", END_COMPLETED),
-                on_failed=body.get("on_failed", END_FAILED),
+                input=_template(node_name, body.get("input", {})),
+                on_succeeded=_string(
+                    node_name, "on_succeeded", body.get("on_succeeded", END_COMPLETED)
+                ),
+                on_failed=_string(node_name, "on_failed", body.get("on_failed", END_FAILED)),
                 deadline_seconds=_positive_int(
                     node_name, "deadline_seconds", body.get("deadline_seconds", 60)
                 ),
@@ -135,6 +157,7 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
             )
         except KeyError as exc:
             raise DefinitionError(f"node {node_name!r}: missing {exc}") from None
+        _check_name(f"node {node_name!r}", "operation", node.operation)
         route = routes.by_name.get(node.route)
         if route is None:
             raise DefinitionError(f"node {node_name!r}: unknown route {node.route!r}")
@@ -143,13 +166,84 @@ def parse(data: Mapping[str, Any], routes: Routes) -> Definition:
                 f"node {node_name!r}: route {node.route!r} does not serve {node.operation!r}"
             )
         nodes[node_name] = node
+    if not isinstance(start, str):
+        raise DefinitionError(f"start must be the name of a node, not {start!r}")
+    if start in (END_COMPLETED, END_FAILED):
+        raise DefinitionError(f"start must be the name of a node, not the end marker {start!r}")
     targets = (
         {start} | {n.on_succeeded for n in nodes.values()} | {n.on_failed for n in nodes.values()}
     )
-    for target in targets:
+    for target in sorted(targets):
         if target not in nodes and target not in (END_COMPLETED, END_FAILED):
             raise DefinitionError(f"{name} v{version}: unknown node {target!r}")
-    return Definition(name=name, version=int(version), start=start, nodes=nodes)
+    return Definition(name=name, version=version, start=start, nodes=nodes)
+
+
+def _check_name(where: str, field: str, value: Any) -> None:
+    """``value`` must be a contract ``Name`` (it becomes Lineage.process, Lineage.node or
+    the command's operation)."""
+    try:
+        _NAME.validate_python(value, strict=True)
+    except ValidationError:
+        raise DefinitionError(
+            f"{where}: {field} must match {_NAME_PATTERN} (a contract Name), not {value!r}"
+        ) from None
+
+
+def _string(node: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise DefinitionError(f"node {node!r}: {key} must be a string, not {value!r}")
+    return value
+
+
+_TOML_TYPES: Final = (
+    (float, "a TOML float"),
+    (dt.datetime, "a TOML datetime"),  # before date: a datetime is a date
+    (dt.date, "a TOML date"),
+    (dt.time, "a TOML time"),
+)
+
+
+def _template(node: str, template: Any) -> Mapping[str, Any]:
+    """An input template whose literals are all in the digest's domain (the rendered
+    input is digested; ``$input.``/``$result.`` references are strings, and fine)."""
+    if not isinstance(template, dict):
+        raise DefinitionError(f"node {node!r}: input must be a table, not {template!r}")
+    found = _outside_domain(template, "input", depth=1)  # as contracts.models.JsonObject
+    if found is not None:
+        path, value, exc = found
+        what = next((text for kind, text in _TOML_TYPES if isinstance(value, kind)), "a value")
+        hint = "; write it as a quoted string" if isinstance(value, dt.date | dt.time) else ""
+        raise DefinitionError(
+            f"node {node!r}: {path}: {what} is outside the digest's domain ({exc}{hint})"
+        )
+    return template
+
+
+def _outside_domain(
+    value: Any, path: str, depth: int
+) -> tuple[str, Any, digest.CanonicalFormError] | None:
+    """The innermost path at which the digest's own check refuses ``value``, if any."""
+    try:
+        digest.check_json_value(value, depth)
+    except digest.CanonicalFormError as exc:
+        children: Any = ()
+        if isinstance(value, dict):
+            children = ((_key_path(path, k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            children = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+        for child_path, child in children:
+            found = _outside_domain(child, child_path, depth + 1)
+            if found is not None:
+                return found
+        return path, value, exc
+    return None
+
+
+def _key_path(path: str, key: Any) -> str:
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", key):
+        return f"{path}.{key}"
+    return f"{path}[{key!r}]"
 
 
 def _positive_int(node: str, key: str, value: Any) -> int:
@@ -174,8 +268,14 @@ def _retry(node: str, raw: Any) -> RetryPolicy | None:
         raise DefinitionError(
             f"node {node!r}: retry.backoff_seconds is a number, retry.on a list of error codes"
         )
+    max_attempts = _positive_int(node, "retry.max_attempts", raw.get("max_attempts", 1))
+    if max_attempts > _MAX_ATTEMPTS:
+        raise DefinitionError(
+            f"node {node!r}: retry.max_attempts must be at most {_MAX_ATTEMPTS} (a contract "
+            f"Attempt), not {max_attempts}"
+        )
     policy = RetryPolicy(
-        max_attempts=_positive_int(node, "retry.max_attempts", raw.get("max_attempts", 1)),
+        max_attempts=max_attempts,
         backoff_seconds=float(backoff),
         on=frozenset(codes),
     )

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers import broker, db, errors, faults, metrics, runtime
+from workers import broker, db, errors, faults, metrics, operator, runtime
 from workers.config import Settings
 from workers.errors import backoff_seconds
 
@@ -109,10 +109,20 @@ class OutboxPublisher:
         async with self.db.transaction(self.lease, epoch=epoch) as tx:
             marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
+                # a confirm is of one attempt's submit (the outbox id is its request id):
+                # it dispatches the operation only if that is its current attempt
                 submits = [
-                    r["operation_id"] for r in marked if by_id[str(r["id"])].get("kind") == "submit"
+                    by_id[str(r["id"])]
+                    for r in marked
+                    if by_id[str(r["id"])].get("kind") == "submit"
                 ]
-                moved = await tx.rows("operations_dispatched", {"ids": submits})
+                moved = await tx.rows(
+                    "operations_dispatched",
+                    {
+                        "ids": [r["operation_id"] for r in submits],
+                        "requests": [str(r["id"]) for r in submits],
+                    },
+                )
                 await tx.run_many(
                     "history_insert",
                     [
@@ -152,6 +162,9 @@ class OutboxPublisher:
             )
 
     async def sample(self) -> None:
+        if self.engine:
+            async with self.db.transaction(self.lease) as tx:
+                await operator.retire_submits(tx, ACTOR)
         async with self.db.transaction() as tx:
             row = await tx.one("outbox_stats")
         if row:

@@ -9,6 +9,7 @@ its reason in the same transaction, acked, and changes nothing else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -45,6 +46,8 @@ class _Writes:
     suspend: list[dict[str, Any]]
     unsuspend: list[dict[str, Any]]
     settle: list[dict[str, Any]]
+    cancelling: list[dict[str, Any]]
+    held: list[dict[str, Any]]
     latencies: list[float]
     verdicts: list[str]
 
@@ -78,7 +81,7 @@ class ReceiptConsumer:
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Validate and apply a batch in one transaction; returns each delivery's verdict."""
-        w = _Writes([], [], [], [], [], [], [], [], [], [], [])
+        w = _Writes([], [], [], [], [], [], [], [], [], [], [], [], [])
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
@@ -106,8 +109,21 @@ class ReceiptConsumer:
                 r["receipt_id"]: r["content_hash"]
                 for r in await tx.rows("receipts_seen", {"ids": receipt_ids})
             }
+            inner = [r for r in (_inner(m) for _, _, m in decoded) if r is not None]
+            revisions = {
+                (r["operation_id"], r["attempt"], r["owner_revision"]): r["content_hash"]
+                for r in await tx.rows(
+                    "revisions_seen",
+                    {
+                        "operation_id": [r.operation_id for r in inner],
+                        "attempt": [r.attempt for r in inner],
+                        "owner_revision": [r.owner_revision for r in inner],
+                    },
+                )
+            }
+            await faults.point("receipts_locked")
             for i, d, message in decoded:
-                verdict_of[i] = self._one(d, message, views, rows, issued, seen, w)
+                verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
             await tx.run_many("quarantine_insert", w.quarantine)
             await tx.run_many("receipt_record", w.records)
             changed = await tx.run_many("operation_apply", w.updates)
@@ -116,7 +132,20 @@ class ReceiptConsumer:
             await tx.run_many("node_finish", w.nodes)
             await tx.run_many("successor_insert", w.successors)
             await tx.run_many("instance_suspend", w.suspend)
+            await tx.run_many("instance_suspend_for", w.held)
             await tx.run_many("instance_unsuspend", w.unsuspend)
+            for cancelling in w.cancelling:
+                if await tx.run("instance_set_cancelling", cancelling):
+                    await tx.run(
+                        "history_insert",
+                        {
+                            "instance_id": cancelling["id"],
+                            "operation_id": None,
+                            "event": "instance.cancelling",
+                            "detail": db.jsonb({"cause": "the owner cancelled an operation"}),
+                            "actor": ACTOR,
+                        },
+                    )
             for settle in w.settle:
                 if await tx.run("instance_settle_cancel", settle):
                     await tx.run(
@@ -146,9 +175,10 @@ class ReceiptConsumer:
         views: dict[str, validation.OperationView],
         rows: dict[str, dict[str, Any]],
         issued: dict[str, validation.IssuedRequest],
-        seen: dict[str, str],
+        seen_maps: tuple[dict[str, str], dict[tuple[str, int, int], str]],
         w: _Writes,
     ) -> str:
+        seen, revisions = seen_maps
         op = views.get(message.operation_id)
         answer: QueryAnswer | None = None
         if isinstance(message, QueryAnswer):
@@ -164,13 +194,21 @@ class ReceiptConsumer:
             receipt = message.receipt
         else:
             receipt = message
+        row = rows.get(receipt.operation_id)
+        try:
+            retryable = self._retryable(row, receipt)
+        except process.DefinitionError as exc:
+            return self._definition_missing(d, receipt, row, str(exc), w)
+        revision_key = (receipt.operation_id, receipt.attempt, receipt.owner_revision)
         decision = validation.decide(
             receipt,
             user_id=d.user_id,
             op=op,
             issued=issued,
             seen_hash=seen.get(receipt.receipt_id),
-            retryable=self._retryable(rows.get(receipt.operation_id), receipt),
+            retryable=retryable,
+            seen_revision_hash=revisions.get(revision_key),
+            answer=answer is not None,
         )
         w.verdicts.append(decision.verdict.value)
         if decision.verdict is validation.Verdict.QUARANTINE:
@@ -192,7 +230,13 @@ class ReceiptConsumer:
             # the owner holds it but has not settled it: still no authoritative outcome.
             # Not recorded: the receipt itself, delivered directly, still applies once.
             return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
+        if decision.verdict is validation.Verdict.APPLY and decision.status in lifecycle.TERMINAL:
+            try:
+                self._successor(rows[op.id], decision.status)  # the definition is needed
+            except process.DefinitionError as exc:
+                return self._definition_missing(d, receipt, rows[op.id], str(exc), w)
         seen[receipt.receipt_id] = decision.content_hash
+        revisions[revision_key] = decision.content_hash
         w.records.append(
             {
                 "receipt_id": receipt.receipt_id,
@@ -272,9 +316,19 @@ class ReceiptConsumer:
         if terminal:
             w.latencies.append((datetime.now(UTC) - row["created_at"]).total_seconds())
             w.nodes.append({"operation_id": op.id, "status": decision.status.value})
-            if op.status is lifecycle.Status.CANCELLING:
+            if decision.status is lifecycle.Status.CANCELLED and op.status is not (
+                lifecycle.Status.CANCELLING
+            ):
+                # the owner settled the work as cancelled under a cancel this engine does
+                # not hold (it predates it): the instance was being cancelled
+                w.cancelling.append({"id": row["instance_id"]})
+            if (
+                op.status is lifecycle.Status.CANCELLING
+                or decision.status is lifecycle.Status.CANCELLED
+                or row["instance_status"] == "cancelling"
+            ):
                 # a success that wins the race stays succeeded, but the cancelled
-                # instance gets no successors
+                # instance gets no successors; it settles once all its work has
                 w.settle.append({"id": row["instance_id"]})
                 return
             nxt = self._successor(row, decision.status)
@@ -306,6 +360,41 @@ class ReceiptConsumer:
         lineage = row["lineage"]
         definition = self.catalog.get(lineage["process"], lineage["process_version"])
         return definition.successor(row["node"], status.value)
+
+    def _definition_missing(
+        self,
+        d: broker.Delivery,
+        receipt: OperationReceipt,
+        row: dict[str, Any] | None,
+        error: str,
+        w: _Writes,
+    ) -> str:
+        """The operation's pinned process version is not loaded, so what follows this
+        receipt cannot be decided. Not a poison message and not a crash: the receipt is
+        kept in quarantine with the reason (the owner's journal keeps it too: reconcile
+        asks again once the version is back) and the instance is suspended."""
+        assert row is not None
+        metrics.ACTIVATION_FAILURES.labels("definition_missing").inc()
+        runtime.event(
+            "instance.definition_missing",
+            logging.ERROR,
+            instance_id=str(row["instance_id"]),
+            operation_id=str(row["id"]),
+            error=error[:300],
+        )
+        w.quarantine.append(_quarantine(d, "definition_missing", error, receipt))
+        w.held.append({"id": row["instance_id"], "reason": "definition_missing"})
+        w.history.append(
+            {
+                "instance_id": row["instance_id"],
+                "operation_id": row["id"],
+                "event": "instance.suspended",
+                "detail": db.jsonb({"reason": "definition_missing", "error": error}),
+                "actor": ACTOR,
+            }
+        )
+        w.verdicts.append("quarantine")
+        return "quarantine"
 
     def _no_news(
         self, op: validation.OperationView, row: dict[str, Any], w: _Writes, fact: str

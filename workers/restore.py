@@ -26,6 +26,8 @@ from workers import adapter, db, lifecycle, operator
 from workers.operator import Outcome, Result, _Refused
 
 BATCH = 200
+# after `restore reconcile`, what still waits for an answer from its pinned executor
+UNANSWERED = ("reconcile_pending", "cancelling")
 
 
 class Restore:
@@ -78,14 +80,13 @@ class Restore:
     async def resume(self, actor: str, reason: str, force: bool) -> Outcome:
         async def body(tx: db.Tx) -> tuple[str, None, dict[str, Any]]:
             self.ops._authorize(actor, "resume", None, reason)
-            waiting = await tx.one(
-                "operations_count_by_status", {"statuses": ["reconcile_pending"]}
-            )
+            waiting = await tx.one("operations_count_by_status", {"statuses": list(UNANSWERED)})
             pending = int(waiting["n"]) if waiting else 0
             if pending and not force:
                 raise _Refused(
                     Result.REFUSED,
-                    f"{pending} reconcile quer(ies) are still unanswered; wait, or --force",
+                    f"{pending} operation(s) still wait for their executor's answer "
+                    "(reconcile_pending or cancelling); wait, or --force",
                 )
             await tx.run("control_set_paused", {"paused": False})
             return (
@@ -111,6 +112,12 @@ async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> Non
         status = unknown
     if status is lifecycle.Status.OUTCOME_UNKNOWN:
         await tx.run("operation_reconcile", {"id": row["id"], "expected": status.value})
+    # reconcile_pending and cancelling stay as they are: only the question is asked again
+    event = (
+        "operation.queried"
+        if status is lifecycle.Status.CANCELLING
+        else "operation.reconcile_pending"
+    )
     count = await tx.one(
         "queries_issued", {"id": row["id"], "attempt": row["attempt"], "kind": "query"}
     )
@@ -122,7 +129,7 @@ async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> Non
         {
             "instance_id": row["instance_id"],
             "operation_id": row["id"],
-            "event": "operation.reconcile_pending",
+            "event": event,
             "detail": db.jsonb(
                 {
                     "from": row["status"],
@@ -158,5 +165,6 @@ async def report(engine: db.Database, journals: dict[str, db.Database]) -> dict[
         "effects_unknown_to_engine": sum(1 for r in unknown if r["effect"] == "applied"),
         "operations_by_status": counts,
         "needs_operator": counts.get("outcome_unknown", 0),
-        "unanswered": counts.get("reconcile_pending", 0),
+        "unanswered": sum(counts.get(s, 0) for s in UNANSWERED),
+        "cancelling": counts.get("cancelling", 0),
     }

@@ -17,7 +17,7 @@ import pytest
 
 from contracts import codec, identity
 from contracts.models import OperationReceipt, ReceiptError
-from tests.conftest import Env, wait_until
+from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from workers import broker
 
@@ -80,6 +80,8 @@ def receipt(
     if status == "succeeded":
         fields["result"] = {"reservation_id": op.id}
     fields.update(overrides)
+    if "receipt_id" not in overrides:  # derived from the request it speaks of
+        fields["receipt_id"] = identity.receipt_id(fields["request_id"], revision)
     return OperationReceipt.model_validate(fields)
 
 
@@ -228,26 +230,29 @@ async def test_rule_6_owner_revisions_never_roll_back(env: Env, op: Op) -> None:
     after = await operation_state(env, op)
     assert after[:3] == ("succeeded", "applied", 2)
 
-    older = receipt(
-        op,
-        1,
-        "failed",
-        "none",
-        receipt_id=str(uuid.uuid4()),
-        error=ReceiptError(code="late", message="an older statement"),
-    )
-    await send(env, codec.encode(older))
+    # receipt ids are derived from (request, revision), or the conflict way: the only
+    # unseen id a different statement about this request can carry is the conflict one
+    unseen_id = identity.conflict_receipt_id(op.request_id, op.digest)
     await send(env, codec.encode(done))  # equal revision, identical content
     changed = receipt(
         op,
         2,
         "succeeded",
         "applied",
-        receipt_id=str(uuid.uuid4()),
+        receipt_id=unseen_id,
         result={"reservation_id": "someone else"},
     )
     await send(env, codec.encode(changed))
     await quarantined(env, "revision_conflict")
+    older = receipt(
+        op,
+        1,
+        "failed",
+        "none",
+        receipt_id=unseen_id,
+        error=ReceiptError(code="late", message="an older statement"),
+    )
+    await send(env, codec.encode(older))
 
     async def stale_recorded() -> bool:
         return (
@@ -302,3 +307,66 @@ async def test_successful_application_records_result_and_successor_intent_once(
     )
     assert (status, result) == ("succeeded", {"reservation_id": op.id})
     assert await env.scalar("SELECT count(*) FROM custody.receipt_inbox") == 1
+
+
+# --- owner revisions: every seen revision, identity derivation, column bounds -----------
+
+
+async def test_a_changed_receipt_at_a_seen_but_ignored_revision_is_refused(
+    env: Env, op: Op
+) -> None:
+    """The seed: "A repeated owner revision with changed content is rejected." A
+    revision the engine saw and ignored (a late ``accepted``) is seen all the same: a
+    different statement at that revision, under another receipt id, is refused,
+    whether its id is made up or derived the conflict way."""
+    await send(env, codec.encode(receipt(op, 1)))
+    await applied(env, op, 1)
+    await send(env, codec.encode(receipt(op, 2)))  # accepted again: recorded, ignored
+
+    async def ignored() -> bool:
+        return (
+            await env.scalar(
+                "SELECT count(*) FROM custody.receipt_inbox WHERE owner_revision = 2"
+                " AND decision = 'ignored'"
+            )
+            == 1
+        )
+
+    await wait_until(ignored, what="revision 2 recorded as ignored")
+    made_up = receipt(op, 2, "succeeded", "applied", receipt_id=str(uuid.uuid4()))
+    await send(env, codec.encode(made_up))
+    await quarantined(env, "receipt_id_mismatch")
+    conflict_id = identity.conflict_receipt_id(op.request_id, op.digest)
+    derived_otherwise = receipt(op, 2, "succeeded", "applied", receipt_id=conflict_id)
+    await send(env, codec.encode(derived_otherwise))
+    await quarantined(env, "revision_conflict")
+    assert await operation_state(env, op) == ("accepted", "unknown", 1, None)
+
+
+async def test_an_owner_revision_beyond_its_column_is_quarantined_not_dead_lettered(
+    env: Env, op: Op, engine_only: InProcessFleet
+) -> None:
+    """Bad input gets a quarantine row with its reason: an owner revision of 2**31
+    (the column is int4) is refused by the contract, not by Postgres halfway through
+    the batch (which would dead-letter it and the receipts beside it)."""
+    huge = receipt(op, 1).model_dump(mode="json") | {"owner_revision": 2**31}
+    huge["receipt_id"] = identity.receipt_id(op.request_id, 2**31)
+    await send(env, orjson.dumps(huge), codec.encode(receipt(op, 1)))
+    await quarantined(env, "schema")
+    await applied(env, op, 1)  # the legitimate receipt beside it applied
+    depths = await broker.queue_depths(MGMT, env.vhost)
+    assert depths.get(broker.QUEUE_DEAD, 0) == 0, "nothing dead-lettered"
+    engine_only.check_alive()
+
+
+async def test_a_known_receipt_resent_by_another_principal_is_refused_not_a_duplicate(
+    env: Env, op: Op
+) -> None:
+    """Validation order: the seen-receipt check comes after tenant and principal. The
+    exact bytes of an applied receipt, re-sent by another participant's broker user,
+    are a principal mismatch (quarantined), not a harmless duplicate."""
+    r = codec.encode(receipt(op, 1))
+    await send(env, r)
+    await applied(env, op, 1)
+    await send(env, r, as_user="payments")
+    await quarantined(env, "principal_mismatch")

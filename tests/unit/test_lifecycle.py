@@ -179,6 +179,9 @@ def test_cancelling_remains_until_authoritative_evidence_resolves_it() -> None:
         Event.SUCCEEDED: Status.SUCCEEDED,
         Event.FAILED: Status.FAILED,
         Event.CANCELLED: Status.CANCELLED,
+        # a query found the owner's cancelled receipt (the answer to the cancel itself
+        # may have been lost, e.g. in a restore): the same evidence
+        Event.QUERY_CANCELLED: Status.CANCELLED,
         Event.REJECTED: Status.CANCELLED,
         # failed with effect none: nothing happened, so the cancel wins
         Event.FAILED_RETRYABLE: Status.CANCELLED,

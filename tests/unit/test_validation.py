@@ -474,11 +474,12 @@ def _set_op(**values: Any) -> Callable[[Case], None]:
 
 # (reason, what it changes, how): in the order the design fixes.
 DEFECTS: list[tuple[str, str, Callable[[Case], None]]] = [
-    ("receipt_id_reuse", "seen", lambda c: setattr(c, "seen_hash", "0" * 64)),
     ("wrong_tenant", "tenant", lambda c: c.receipt.update(tenant="globex")),
     ("missing_user_id", "user", lambda c: setattr(c, "user_id", None)),
     ("principal_mismatch", "user", lambda c: setattr(c, "user_id", "custody-payments")),
     ("wrong_owner", "owner", lambda c: c.receipt.update(owner="payments")),
+    ("receipt_id_mismatch", "receipt_id", lambda c: c.receipt.update(receipt_id=NEVER_ISSUED)),
+    ("receipt_id_reuse", "seen", lambda c: setattr(c, "seen_hash", "0" * 64)),
     ("unknown_operation", "op", lambda c: setattr(c, "op", None)),
     ("unknown_request", "request", lambda c: c.receipt.update(request_id=NEVER_ISSUED)),
     ("digest_mismatch", "digest", lambda c: c.receipt.update(command_digest=DIGEST_2)),
@@ -510,8 +511,10 @@ def test_each_defect_alone_gives_its_reason(defect: tuple[str, str, Any]) -> Non
 def test_a_receipt_failing_two_rules_gets_the_earlier_reason(
     first: tuple[str, str, Any], second: tuple[str, str, Any]
 ) -> None:
-    """In order: receipt identity -> tenant -> owner and principal (and user_id) ->
-    operation exists -> attempt and request -> digest -> owner revision -> lifecycle."""
+    """In order: tenant -> owner and principal (and user_id) -> receipt identity
+    (derived id, known id) -> operation exists -> attempt and request -> digest ->
+    owner revision -> lifecycle. The seen-receipt check comes after tenant and
+    principal: a known receipt id re-sent by someone else is refused, not a duplicate."""
     case = Case()
     second[2](case)
     first[2](case)

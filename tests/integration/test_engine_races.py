@@ -1,0 +1,337 @@
+"""The engine's race windows, forced at an exact step instead of hoped for.
+
+Each test runs the real workers in-process and makes a second actor (the operator CLI
+as its own process, or a participant's broker user) commit in the middle of a
+worker's unit of work, through a fault-point hook (``workers.faults.set_hook``). A
+hook never waits for the other actor to finish: it waits until that actor either
+finished or is blocked on a lock the unit holds, so the test passes only where the
+unit and the actor are serialised by the database.
+
+The seed: "Cancellation is a request to settle work consistently with the executor's
+durable state."
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from contracts import codec, identity
+from contracts.models import StartRequest
+from tests.conftest import Env, wait_until
+from tests.harness import InProcessFleet, order, publish_raw, publish_starts
+from tests.integration.test_recovery import custody, env_vars
+from workers import broker, db, faults, retention
+from workers.config import ROOT
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture
+async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
+    f = InProcessFleet(env)
+    yield f
+    for name in faults.POINTS:
+        faults.set_hook(name, None)
+    await f.stop_all()
+
+
+class Cli:
+    """The operator CLI started as its own process (its own database session)."""
+
+    def __init__(self, env: Env, *args: str) -> None:
+        self.env = env
+        self.args = args
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stdout = ""
+        self.stderr = ""
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "workers.cli",
+            *self.args,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **env_vars(self.env), "CUSTODY_OPERATOR": "oncall"},
+        )
+
+    async def finished_or_blocked(self, timeout: float = 20) -> str:
+        """'finished' once the command exited, 'blocked' once its session waits on a
+        lock (held by the unit of work under test)."""
+        assert self.proc is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            if self.proc.returncode is not None:
+                return "finished"
+            waiting = await self.env.scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                " AND application_name = 'custody-cli' AND wait_event_type = 'Lock'",
+                (self.env.engine_db,),
+            )
+            if waiting:
+                return "blocked"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 0.05)
+        raise AssertionError(f"custody {' '.join(self.args)} neither finished nor blocked")
+
+    async def result(self) -> int:
+        assert self.proc is not None
+        out, err = await asyncio.wait_for(self.proc.communicate(), 60)
+        self.stdout, self.stderr = out.decode(), err.decode()
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+
+def once_at(calls: int, action: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """A hook that runs ``action`` the ``calls``-th time its point is reached."""
+    seen = 0
+
+    async def hook() -> None:
+        nonlocal seen
+        seen += 1
+        if seen == calls:
+            await action()
+
+    return hook
+
+
+async def the_instance(env: Env) -> str:
+    return str(await env.scalar("SELECT id::text FROM custody.instances"))
+
+
+async def settled(env: Env, iid: str, status: str) -> None:
+    async def done() -> bool:
+        rows = await env.sql(
+            "SELECT i.status::text, count(o.id) FILTER (WHERE o.status::text <> ALL(%s))"
+            " FROM custody.instances i LEFT JOIN custody.operations o ON o.instance_id = i.id"
+            " WHERE i.id = %s GROUP BY i.status",
+            (list(TERMINAL), iid),
+        )
+        return rows == [(status, 0)]
+
+    await wait_until(done, timeout=30, what=f"instance {status} with every operation settled")
+
+
+async def effects(env: Env, schema: str, table: str) -> int:
+    return int(
+        await env.scalar(f"SELECT count(*) FROM participant_{schema}.{table}", participant=True)
+    )
+
+
+async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_work_behind_it(
+    env: Env, fleet: InProcessFleet
+) -> None:
+    """The seed: "Cancellation is a request to settle work consistently with the
+    executor's durable state." A cancel that commits while the committer is inside
+    the transaction that activates the next node must be serialised with it: either
+    the new operation exists before the cancel (and the cancel settles it), or the
+    activation sees the cancel and creates nothing. No node is activated after the
+    instance's cancellation committed, and every effect is one the engine knows."""
+    fleet.start_all()
+    cancel: list[Cli] = []
+
+    async def cancel_now() -> None:
+        cli = Cli(env, "cancel", await the_instance(env), "--reason", "customer withdrew")
+        cancel.append(cli)
+        await cli.start()
+        await cli.finished_or_blocked()
+
+    faults.set_hook("successor_claimed", once_at(1, cancel_now))  # reserve -> charge
+    await publish_starts(env.settings, [order(1)])
+    await wait_until(lambda: _true(cancel), what="the cancel raced the activation")
+    assert await cancel[0].result() == 0, cancel[0].stderr
+    iid = await the_instance(env)
+    await settled(env, iid, "cancelled")
+
+    events = await env.sql(
+        "SELECT id, event, detail->>'node' FROM custody.history WHERE instance_id = %s ORDER BY id",
+        (iid,),
+    )
+    [cancelling] = [i for i, e, _ in events if e == "instance.cancelling"]
+    late = [(e, n) for i, e, n in events if e == "node.activated" and i > cancelling]
+    assert late == [], f"work created after the cancellation committed: {late}"
+    charged = await effects(env, "payments", "charges")
+    succeeded = await env.scalar(
+        "SELECT count(*) FROM custody.operations WHERE node = 'charge' AND status = 'succeeded'"
+    )
+    assert charged == succeeded, "every charge is one the engine holds as succeeded"
+
+
+async def test_an_end_node_racing_a_cancel_leaves_one_terminal_instance_event(
+    env: Env, fleet: InProcessFleet
+) -> None:
+    """The seed: "Cancellation is a request to settle work consistently with the
+    executor's durable state." The last node's successor (@completed) and a cancel
+    race: exactly one of them decides the instance, and its history says the same
+    (no ``instance.completed`` row for an instance that ended cancelled)."""
+    fleet.start_all()
+    cancel: list[Cli] = []
+
+    async def cancel_now() -> None:
+        cli = Cli(env, "cancel", await the_instance(env), "--reason", "too late to matter")
+        cancel.append(cli)
+        await cli.start()
+        await cli.finished_or_blocked()
+
+    faults.set_hook("successor_claimed", once_at(3, cancel_now))  # ship -> @completed
+    await publish_starts(env.settings, [order(1)])
+    await wait_until(lambda: _true(cancel), timeout=30, what="the cancel raced the end node")
+    code = await cancel[0].result()
+    iid = await the_instance(env)
+
+    async def ended() -> bool:
+        status = await env.scalar("SELECT status::text FROM custody.instances")
+        return status in ("completed", "cancelled")
+
+    await wait_until(ended, what="the instance to end")
+    status = await env.scalar("SELECT status::text FROM custody.instances")
+    finals = [
+        e
+        for (e,) in await env.sql(
+            "SELECT event FROM custody.history WHERE instance_id = %s AND event = ANY(%s)"
+            " ORDER BY id",
+            (iid, ["instance.completed", "instance.failed", "instance.cancelled"]),
+        )
+    ]
+    assert finals == [f"instance.{status}"], finals
+    if status == "completed":
+        assert code == 3 and "already completed" in cancel[0].stderr, cancel[0].stderr
+
+
+async def test_cancel_start_under_another_spelling_of_the_id_is_serialised_with_the_start(
+    env: Env, fleet: InProcessFleet
+) -> None:
+    """The seed: "The same principle applies to an authorized cancellation of a start
+    request before an instance exists." The operator types the start request id in
+    upper case with braces while the start is being committed: the cancel takes the
+    same lock as the start (ids are canonical at the edge), so it is never told
+    "tombstoned" while the start goes on to run."""
+    fleet.start_all(participants=())
+    start_id = str(uuid.uuid4())
+    cancel: list[Cli] = []
+
+    async def cancel_now() -> None:
+        spelled = "{" + start_id.upper() + "}"
+        cli = Cli(env, "cancel-start", spelled, "--tenant", "acme", "--reason", "withdrawn")
+        cli.args = (*cli.args, "--json")
+        cancel.append(cli)
+        await cli.start()
+        await cli.finished_or_blocked()
+
+    faults.set_hook("starts_locked", once_at(1, cancel_now))
+    request = StartRequest(
+        tenant="acme",
+        start_request_id=start_id,
+        process="order-fulfilment",
+        input=order(1),
+        requested_by="shop",
+    )
+    await publish_raw(
+        env.settings, broker.EXCHANGE_REQUESTS, broker.START_KEY, [codec.encode(request)]
+    )
+    await wait_until(lambda: _true(cancel), what="the cancel-start raced the start")
+    assert await cancel[0].result() == 0, cancel[0].stderr
+    said = json.loads(cancel[0].stdout)
+
+    async def start_decided() -> bool:
+        # the start's unit has committed: an instance, or the late start recorded
+        return bool(
+            await env.sql(
+                "SELECT 1 FROM custody.instances UNION ALL"
+                " SELECT 1 FROM custody.start_tombstones WHERE late_start_at IS NOT NULL"
+            )
+        )
+
+    await wait_until(start_decided, what="the start to commit one way or the other")
+    instances = await env.sql("SELECT id::text FROM custody.instances")
+    if said.get("tombstoned"):
+        assert instances == [], "told tombstoned, yet the start created an instance"
+    else:
+        assert len(instances) == 1
+        assert await env.scalar("SELECT status::text FROM custody.instances") == "cancelling"
+    assert await env.scalar("SELECT count(*) FROM custody.start_tombstones") == (
+        1 if said.get("tombstoned") else 0
+    )
+
+
+def test_an_id_has_one_canonical_spelling() -> None:
+    """Every spelling uuid accepts maps to the one the wire and the database use."""
+    raw = "6F6B9D8E-2A55-4C1E-9A51-637573746F64"
+    want = raw.lower()
+    for spelling in (raw, "{" + raw + "}", "urn:uuid:" + raw, raw.replace("-", ""), f" {want} "):
+        assert identity.canonical(spelling) == want
+    assert identity.canonical("not-a-uuid") is None
+
+
+async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_participant_retention(
+    env: Env, fleet: InProcessFleet
+) -> None:
+    """The seed: "Cancellation before acceptance also requires a durable record.
+    Otherwise a delayed command could arrive after an apparently successful
+    cancellation and still execute." The submit is held (dispatch paused) while the
+    operation is cancelled at the participant (a tombstone); the participant's
+    retention later forgets the tombstone; dispatch resumes. The submit of the
+    cancelled operation is retired, never dispatched, and nothing executes."""
+    fleet.start_all()
+    paused = custody(env, "dispatch", "pause", "--reason", "maintenance")
+    assert paused.returncode == 0, paused.stderr
+    await publish_starts(env.settings, [order(1)])
+
+    async def created() -> bool:
+        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
+
+    await wait_until(created, what="the first operation, its submit held")
+    iid = await the_instance(env)
+    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    assert cancelled.returncode == 0, cancelled.stderr
+    await settled(env, iid, "cancelled")
+
+    inventory = db.Database(
+        env.settings.participant_database_url, schema="participant_inventory", name="test"
+    )
+    await inventory.open()
+    try:
+        removed = await retention.cleanup_participant(inventory, 0)
+    finally:
+        await inventory.close()
+    assert removed["inbox"] == 1, "the tombstone is gone from the participant"
+
+    resumed = custody(env, "dispatch", "resume", "--reason", "maintenance over")
+    assert resumed.returncode == 0, resumed.stderr
+    await publish_starts(env.settings, [order(2)])  # the publisher claims many times
+
+    async def second_done() -> bool:
+        return (
+            await env.scalar("SELECT count(*) FROM custody.instances WHERE status = 'completed'")
+            == 1
+        )
+
+    await wait_until(second_done, what="a later instance to complete")
+    [(status, published)] = await env.sql(
+        "SELECT b.status, b.published_at IS NOT NULL FROM custody.outbox b"
+        " JOIN custody.operations o ON o.id = b.operation_id"
+        " WHERE o.instance_id = %s AND b.kind = 'submit'",
+        (iid,),
+    )
+    assert (status, published) == ("retired", False)
+    assert await effects(env, "inventory", "reservations") == 1, "only the second order's"
+    retired = await env.scalar(
+        "SELECT count(*) FROM custody.history WHERE instance_id = %s AND event = 'command.retired'",
+        (iid,),
+    )
+    assert retired == 1
+
+
+async def _true(box: list[Any]) -> bool:
+    return bool(box)

@@ -1,0 +1,477 @@
+"""Participant runtime races: repeated queries, concurrent replicas, slow handlers.
+
+Real Postgres and RabbitMQ; the races are forced with barriers, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from contracts import codec, identity
+from contracts.models import CancelCommand, OperationReceipt, QueryAnswer, QueryCommand
+from participants import samples
+from tests.conftest import Env, wait_until
+from tests.harness import InProcessFleet, Running, client, drain, publish_raw
+from tests.integration.test_participant import _status, submit
+from workers import broker, db, participant, runtime
+from workers.participant import Call
+
+SCHEMA = "participant_inventory"
+ME = participant.Identity(
+    owner="inventory", principal="custody-inventory", bindings=frozenset({"inventory.v1"})
+)
+
+
+@pytest.fixture
+async def inventory(env: Env) -> AsyncIterator[InProcessFleet]:
+    f = InProcessFleet(env)
+    f.start("inventory")
+    yield f
+    await f.stop_all()
+
+
+def _database(env: Env, name: str) -> db.Database:
+    """A connection pool as the inventory participant's role; ``name`` becomes the
+    connection's application_name (``custody-<name>``)."""
+    url = db.with_user(env.settings.participant_database_url, "custody_participant_inventory")
+    return db.Database(url, schema=SCHEMA, name=name, min_size=1, max_size=2)
+
+
+@contextlib.asynccontextmanager
+async def _deliveries(env: Env, bodies: Sequence[bytes]) -> AsyncIterator[list[broker.Delivery]]:
+    """Publish ``bodies`` to the inventory command queue and take them back as real
+    broker deliveries (in publish order); acked on exit."""
+    await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", list(bodies))
+    async with (
+        client(env.settings, "races") as amqp,
+        amqp.consume([broker.command_queue("inventory.v1")], prefetch=100) as inbox,
+    ):
+        got = [await asyncio.wait_for(inbox.get(), 10) for _ in bodies]
+        by_body = {d.body: d for d in got}
+        try:
+            yield [by_body[b] for b in bodies]
+        finally:
+            for d in got:
+                await d.ack()
+
+
+async def _outbox(env: Env) -> list[Any]:
+    rows = await env.sql(f"SELECT body FROM {SCHEMA}.outbox", participant=True)
+    return [codec.decode_receipt(bytes(r[0])) for r in rows]
+
+
+def _query(cmd: Any) -> QueryCommand:
+    return QueryCommand(
+        request_id=identity.request_id(cmd.operation_id, cmd.attempt, "query"),
+        tenant=cmd.tenant,
+        operation_id=cmd.operation_id,
+        attempt=cmd.attempt,
+        operation=cmd.operation,
+        target=cmd.target,
+        digest=cmd.digest,
+        issued_at=datetime.now(UTC),
+        submit_request_id=cmd.request_id,
+    )
+
+
+def _cancel(cmd: Any) -> CancelCommand:
+    return CancelCommand(
+        request_id=identity.request_id(cmd.operation_id, cmd.attempt, "cancel"),
+        tenant=cmd.tenant,
+        operation_id=cmd.operation_id,
+        attempt=cmd.attempt,
+        operation=cmd.operation,
+        target=cmd.target,
+        digest=cmd.digest,
+        issued_at=datetime.now(UTC),
+        submit_request_id=cmd.request_id,
+        reason="customer cancelled the order",
+    )
+
+
+# --- defect 5: a repeated query is answered again -------------------------------------
+
+
+async def test_a_repeated_query_is_answered_again_with_the_latest_receipt(
+    env: Env, inventory: InProcessFleet
+) -> None:
+    """ "A participant answers every query it receives, a repeated one included." The
+    seed: "A restored engine can predate an effect that already committed elsewhere" and
+    "Receipt retention and deduplication history must cover every permitted retry,
+    replay and restore horizon": a restored engine re-issues a query under the same
+    request id (query ids count from its attempts table); the participant, whose first
+    answer was already published, must send the answer again — with its current latest
+    receipt — or the engine's operation waits in reconcile_pending until its deadline."""
+    cmd = submit()
+    await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
+
+    async def done() -> bool:
+        return await _status(env, cmd.request_id) == "succeeded"
+
+    await wait_until(done, what="the command to complete")
+    await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=1.0)
+
+    q = _query(cmd)
+    await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(q)])
+    [first] = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
+    answer = codec.decode_receipt(first.body)
+    assert isinstance(answer, QueryAnswer)
+    assert answer.receipt is not None and answer.receipt.status == "succeeded"
+
+    async def published() -> bool:
+        return (
+            await env.scalar(
+                f"SELECT status FROM {SCHEMA}.outbox WHERE id = %s",
+                (answer.answer_id,),
+                participant=True,
+            )
+            == "published"
+        )
+
+    await wait_until(published, what="the first answer marked published")
+
+    # the same query again (after an engine restore): a new delivery, the same identity
+    again_q = q.model_copy(update={"issued_at": datetime.now(UTC)})
+    await publish_raw(
+        env.settings,
+        broker.EXCHANGE_COMMANDS,
+        "inventory.v1",
+        [codec.encode(again_q)],
+        message_id=str(uuid.uuid4()),
+    )
+    again = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
+    inventory.check_alive()
+    assert len(again) == 1, "the repeated query must be answered"
+    second = codec.decode_receipt(again[0].body)
+    assert isinstance(second, QueryAnswer)
+    assert second.in_reply_to == q.request_id
+    assert again[0].user_id == "custody-inventory"
+    latest = await env.scalar(
+        f"SELECT body FROM {SCHEMA}.receipts WHERE request_id = %s"
+        " ORDER BY owner_revision DESC LIMIT 1",
+        (cmd.request_id,),
+        participant=True,
+    )
+    assert second.receipt == codec.decode_receipt(bytes(latest)), "the current latest receipt"
+
+
+# --- defect 9: a concurrent conflicting (or duplicate) acceptance -------------------------
+
+
+class HeldAcceptance(participant.Participant):
+    """A replica whose acceptance transaction, once its inbox insert is done, stays
+    open until the test releases it (a barrier at a handler-free point)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.inside = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _emit(
+        self,
+        tx: db.Tx,
+        receipts: Sequence[OperationReceipt],
+        answers: Sequence[QueryAnswer] = (),
+        unjournaled: Sequence[OperationReceipt] = (),
+        trace: Mapping[str, str] | None = None,
+    ) -> None:
+        if receipts and not self.inside.is_set():
+            self.inside.set()
+            await self.release.wait()
+        await super()._emit(tx, receipts, answers, unjournaled, trace)
+
+
+async def _waiting_on_a_lock(env: Env, application: str) -> bool:
+    n = await env.scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = %s AND wait_event_type = 'Lock'",
+        (application,),
+        participant=True,
+    )
+    return bool(n == 1)
+
+
+@pytest.mark.parametrize("same_input", [False, True], ids=["changed-input", "same-input"])
+async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_insert(
+    env: Env, same_input: bool
+) -> None:
+    """ "Reusing that identity with changed input conflicts", and "The same command
+    identity with the same semantic input returns the existing receipt" — also when
+    two replicas receive the identity at the same moment. Replica A's acceptance has
+    inserted its inbox row and holds its transaction open; replica B's insert waits on
+    that row; A commits. B must not report `accepted` for work it does not hold: with
+    changed input it records the conflict and answers it, with the same input it is a
+    duplicate and writes no receipt of its own."""
+    cmd = submit()
+    other = cmd
+    if not same_input:
+        other = cmd.model_copy(update={"input": {"order_id": "o-1", "sku": "sku-1", "quantity": 9}})
+        other = other.model_copy(update={"digest": other.semantic_digest()})
+    settings = env.participant_settings("inventory")
+    db_a, db_b = _database(env, "inventory-a"), _database(env, "inventory-b")
+    await db_a.open()
+    await db_b.open()
+    a = HeldAcceptance(ME, samples.HANDLERS["inventory"], settings, db_a)
+    b = participant.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
+    try:
+        async with _deliveries(env, [codec.encode(cmd), codec.encode(other)]) as [da, d_b]:
+            first = asyncio.create_task(a.accept([da]))
+            await asyncio.wait_for(a.inside.wait(), 10)
+            second = asyncio.create_task(b.accept([d_b]))
+            await wait_until(
+                lambda: _waiting_on_a_lock(env, "custody-inventory-b"),
+                timeout=10,
+                what="replica B's insert waiting on replica A's row",
+            )
+            a.release.set()
+            decided = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    finally:
+        a.release.set()
+        await db_a.close()
+        await db_b.close()
+
+    assert decided == [["accepted"], ["duplicate" if same_input else "conflict"]]
+    conflicts = await env.sql(
+        f"SELECT request_id::text, stored_digest, received_digest FROM {SCHEMA}.conflicts",
+        participant=True,
+    )
+    out = await _outbox(env)
+    accepted = [r for r in out if isinstance(r, OperationReceipt) and r.status == "accepted"]
+    answers = [r for r in out if isinstance(r, OperationReceipt) and r.error is not None]
+    assert len(accepted) == 1, "one accepted receipt, from the replica that holds the work"
+    assert accepted[0].command_digest == cmd.digest
+    if same_input:
+        assert conflicts == []
+        assert len(out) == 1
+    else:
+        assert conflicts == [(cmd.request_id, cmd.digest, other.digest)]
+        assert [(r.status, r.error.code if r.error else None) for r in answers] == [
+            ("rejected", "digest_conflict")
+        ]
+        assert answers[0].command_digest == other.digest
+    assert (
+        await env.scalar(
+            f"SELECT digest FROM {SCHEMA}.inbox WHERE request_id = %s",
+            (cmd.request_id,),
+            participant=True,
+        )
+        == cmd.digest
+    )
+
+
+# --- defect 11: a slow handler never blocks acceptance --------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _serving(env: Env, handlers: Mapping[str, participant.Handler]) -> AsyncIterator[None]:
+    """The inventory participant's real runtime (consumer, executor, publisher) with
+    test handlers, in this event loop."""
+    stop = runtime.Stop(grace_s=10)
+    settings = env.participant_settings("inventory")
+    settings = dataclasses.replace(
+        settings,
+        participant_database_url=db.with_user(
+            settings.participant_database_url, "custody_participant_inventory"
+        ),
+    )
+    run = Running(
+        "inventory",
+        stop,
+        asyncio.create_task(
+            participant.serve(ME, handlers, settings, stop, runtime.Health(), schema=SCHEMA)
+        ),
+    )
+    try:
+        yield
+        assert not run.task.done(), f"the participant stopped: {run.task}"
+    finally:
+        stop.event.set()
+        await asyncio.wait_for(run.task, 15)
+
+
+async def test_a_slow_handler_does_not_block_acceptance_of_a_cancel_or_a_new_submit(
+    env: Env,
+) -> None:
+    """Participant acceptance — "The executor retained a recoverable operation and its
+    identity" — must never wait behind execution, while participant completion — "The
+    business effect and terminal receipt are authoritative" — still commits once. A
+    handler blocks; meanwhile a cancel for another claimed command of the same batch
+    and a new submit arrive: both are accepted within seconds ("Cancellation is a
+    request to settle work consistently with the executor's durable state": the other
+    command had not started, so it is cancelled and never runs). Released, the slow
+    handler's effect and terminal receipt commit exactly once."""
+    gate = asyncio.Event()
+    entered: list[str] = []
+
+    async def gated_reserve(call: Call) -> Mapping[str, Any]:
+        entered.append(call.request_id)
+        await gate.wait()
+        return await samples.reserve(call)
+
+    one, two, late = submit(), submit(), submit()
+    # one and two accepted in one transaction, so the executor claims them in one batch
+    seed_db = _database(env, "inventory-seed")
+    await seed_db.open()
+    try:
+        seeder = participant.Participant(
+            ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
+        )
+        async with _deliveries(env, [codec.encode(one), codec.encode(two)]) as ds:
+            assert await seeder.accept(ds) == ["accepted", "accepted"]
+    finally:
+        await seed_db.close()
+
+    async def op_status(cmd: Any) -> str | None:
+        return await _status(env, cmd.request_id)
+
+    async with _serving(env, {"inventory.reserve": gated_reserve}):
+        try:
+
+            async def blocked() -> bool:
+                return len(entered) == 1
+
+            await wait_until(blocked, timeout=15, what="the first handler to block")
+            running = one if entered[0] == one.request_id else two
+            waiting = two if running is one else one
+            await publish_raw(
+                env.settings,
+                broker.EXCHANGE_COMMANDS,
+                "inventory.v1",
+                [codec.encode(_cancel(waiting)), codec.encode(late)],
+            )
+
+            async def accepted_meanwhile() -> bool:
+                return (await op_status(waiting), await op_status(late)) == (
+                    "cancelled",
+                    "accepted",
+                )
+
+            await wait_until(
+                accepted_meanwhile,
+                timeout=5,
+                what="the cancel and the new submit accepted while the handler is blocked",
+            )
+            assert entered == [running.request_id], "the slow handler is still running alone"
+            assert await op_status(running) == "accepted"
+            gate.set()
+
+            async def settled() -> bool:
+                return (await op_status(running), await op_status(late)) == (
+                    "succeeded",
+                    "succeeded",
+                )
+
+            await wait_until(settled, timeout=15, what="the released handlers to complete")
+        finally:
+            gate.set()  # before the participant stops: never leave its handler blocked
+
+    assert sorted(entered) == sorted([running.request_id, late.request_id])
+    assert await op_status(waiting) == "cancelled"
+    for cmd, effects in ((running, 1), (waiting, 0), (late, 1)):
+        assert (
+            await env.scalar(
+                f"SELECT count(*) FROM {SCHEMA}.reservations WHERE operation_id = %s",
+                (cmd.operation_id,),
+                participant=True,
+            )
+            == effects
+        )
+    journal = await env.sql(
+        f"SELECT owner_revision, body FROM {SCHEMA}.receipts WHERE request_id = %s"
+        " ORDER BY owner_revision",
+        (running.request_id,),
+        participant=True,
+    )
+    statuses = [(rev, codec.decode_receipt(bytes(body)).status) for rev, body in journal]
+    assert statuses == [(1, "accepted"), (2, "succeeded")]
+    [cancelled] = await env.sql(
+        f"SELECT body FROM {SCHEMA}.receipts WHERE request_id = %s AND owner_revision = 2",
+        (waiting.request_id,),
+        participant=True,
+    )
+    assert codec.decode_receipt(bytes(cancelled[0])).status == "cancelled"
+
+
+async def test_a_cancel_for_the_command_being_executed_is_answered_without_waiting(
+    env: Env,
+) -> None:
+    """ "Work with an unresolved effect remains Cancelling until authoritative evidence
+    resolves it" and "A success that wins the race remains Succeeded on the operation".
+    A cancel for the very command whose handler is running cannot prevent its effect:
+    acceptance does not wait for the handler, it answers with the current state (the
+    latest receipt, `accepted`, sent again); the handler's success, committed with its
+    effect, is the evidence that settles it."""
+    gate = asyncio.Event()
+    entered: list[str] = []
+
+    async def gated_reserve(call: Call) -> Mapping[str, Any]:
+        entered.append(call.request_id)
+        await gate.wait()
+        return await samples.reserve(call)
+
+    cmd = submit()
+    accepted_id = identity.receipt_id(cmd.request_id, 1)
+
+    async def accepted_receipt_sends() -> int:
+        rows = await env.sql(
+            f"SELECT publish_attempts FROM {SCHEMA}.outbox WHERE id = %s AND status = 'published'",
+            (accepted_id,),
+            participant=True,
+        )
+        return int(rows[0][0]) if rows else 0
+
+    async with _serving(env, {"inventory.reserve": gated_reserve}):
+        try:
+            await publish_raw(
+                env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)]
+            )
+
+            async def running() -> bool:
+                return entered == [cmd.request_id] and await accepted_receipt_sends() == 1
+
+            await wait_until(running, timeout=15, what="the handler blocked, `accepted` sent")
+            await publish_raw(
+                env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(_cancel(cmd))]
+            )
+
+            async def answered() -> bool:
+                return await accepted_receipt_sends() == 2
+
+            await wait_until(
+                answered, timeout=5, what="the cancel answered while the handler is blocked"
+            )
+            assert await _status(env, cmd.request_id) == "accepted"
+            gate.set()
+
+            async def succeeded() -> bool:
+                return await _status(env, cmd.request_id) == "succeeded"
+
+            await wait_until(succeeded, timeout=15, what="the released handler to complete")
+        finally:
+            gate.set()
+
+    assert entered == [cmd.request_id]
+    assert (
+        await env.scalar(
+            f"SELECT count(*) FROM {SCHEMA}.reservations WHERE operation_id = %s",
+            (cmd.operation_id,),
+            participant=True,
+        )
+        == 1
+    )
+    journal = await env.sql(
+        f"SELECT owner_revision, body FROM {SCHEMA}.receipts WHERE request_id = %s"
+        " ORDER BY owner_revision",
+        (cmd.request_id,),
+        participant=True,
+    )
+    statuses = [(rev, codec.decode_receipt(bytes(body)).status) for rev, body in journal]
+    assert statuses == [(1, "accepted"), (2, "succeeded")], "no cancelled receipt"
