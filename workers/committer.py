@@ -40,7 +40,6 @@ from workers.config import Settings
 ACTOR = "committer"
 AckPolicy = "ack after commit; malformed starts are quarantined and acked"
 DEFINITION_MISSING = "definition_missing"  # instances.suspended_reason
-DEFINITION_RETRY_S = 30.0
 # What building one activation can raise for one instance's data or definition: that
 # instance fails (or its start is quarantined) with the reason; the worker goes on.
 ACTIVATION_ERRORS = (
@@ -455,7 +454,9 @@ class Committer:
             version=intent["process_version"],
             error=error[:300],
         )
-        await tx.run("successor_defer", {"id": intent["id"], "delay": DEFINITION_RETRY_S})
+        await tx.run(
+            "successor_defer", {"id": intent["id"], "delay": self.settings.definition_retry_s}
+        )
         if await tx.run("instance_suspend_for", {"id": iid, "reason": DEFINITION_MISSING}):
             history.append(
                 _history(

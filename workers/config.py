@@ -48,6 +48,9 @@ class Settings:
     confirm_window: int = 64
     confirm_timeout_s: float = 10.0
     poll_interval_s: float = 1.0
+    # A successor whose instance's pinned process version is not loaded is tried again
+    # after this long (the instance stays suspended until then).
+    definition_retry_s: float = 30.0
     lease_ttl_s: float = 15.0
     delivery_limit: int = 5
     metrics_port: int = 0

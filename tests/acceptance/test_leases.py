@@ -8,15 +8,20 @@ contract remains necessary."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
+import aio_pika
 import pytest
 
-from tests.acceptance.support import Crew, all_finished, assert_durable_happy_end
+from tests.acceptance.support import Crew, all_finished, assert_durable_happy_end, count
 from tests.conftest import Env, wait_until
 from tests.harness import order, publish_starts
+from workers import broker
+from workers.fleet import Proc
 
 pytestmark = pytest.mark.acceptance
 
@@ -81,5 +86,218 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
         " GROUP BY 1 HAVING count(*) > 1"
     )
     assert dispatched == [], "no row was marked twice"
-    assert await env.scalar("SELECT count(*) FROM custody.outbox WHERE publish_attempts > 1") > 0
+    # the zombie's claimed rows were taken over: sent again by the replica, or, where
+    # their operation had already settled meanwhile, retired (never sent again)
+    assert (
+        await env.scalar(
+            "SELECT count(*) FROM custody.outbox WHERE publish_attempts > 1 OR status = 'retired'"
+        )
+        > 0
+    )
+    assert await env.scalar("SELECT count(*) FROM custody.outbox WHERE status = 'pending'") == 0
+    await assert_durable_happy_end(env, n)
+
+
+# -- the fence is the epoch a unit began under (not the one in force at its commit) --
+
+STOP_ENV = "CUSTODY_STOP_POINTS"
+
+
+async def _freeze_past_lease(env: Env, proc: Proc, what: str) -> str:
+    """Wait until ``proc`` stopped itself at its stop point (state T), then until its
+    lease row has expired; returns the LIKE pattern of its lease holder."""
+
+    async def frozen() -> bool:
+        return _state(proc.popen.pid) == "T"
+
+    await wait_until(frozen, timeout=30, what=f"the {what} to freeze inside its transaction")
+    holder = f"%-{proc.popen.pid}-%"
+
+    async def expired() -> bool:
+        return (
+            await env.scalar(
+                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
+                (holder,),
+            )
+            is True
+        )
+
+    await wait_until(expired, timeout=30, what=f"the frozen {what}'s lease to expire")
+    return holder
+
+
+async def _queue(env: Env, name: str) -> tuple[int, int]:
+    """(ready messages, consumers) of a queue, as the broker says right now (a passive
+    declare: no management-statistics delay). Unacked deliveries are not ready."""
+    connection = await aio_pika.connect(env.settings.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        ok = queue.declaration_result
+        return int(ok.message_count or 0), int(ok.consumer_count or 0)
+
+
+def _events(proc: Proc) -> list[dict[str, Any]]:
+    out = []
+    for line in proc.log.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+async def _assert_stale_commit_refused(env: Env, zombie: Proc, holder: str) -> None:
+    """The zombie's heartbeat took its lease back (``lease.lost``, then epoch 2) and,
+    after that, a commit of the zombie was refused for epoch 1: the unit that began
+    under epoch 1 did not commit under epoch 2. (With the fence read at commit time a
+    unit committing after the re-acquisition passes; any ``lease.fenced`` then can only
+    come before ``lease.lost``.) The zombie lives on, holding a live lease."""
+
+    async def refused() -> bool:
+        events = [e.get("event") for e in _events(zombie)]
+        return "lease.lost" in events and "lease.fenced" in events[events.index("lease.lost") :]
+
+    try:
+        await wait_until(refused, timeout=10, what="the zombie's stale commit to be fenced")
+    except AssertionError:
+        seen = [
+            {k: e.get(k) for k in ("event", "epoch", "error")}
+            for e in _events(zombie)
+            if str(e.get("event", "")).startswith("lease.")
+        ]
+        raise AssertionError(
+            f"no commit of the zombie was fenced after its lease was taken back; "
+            f"its lease events: {seen}"
+        ) from None
+    events = _events(zombie)
+    lost = next(i for i, e in enumerate(events) if e.get("event") == "lease.lost")
+    assert events[lost].get("epoch") == 1, events[lost]
+    fenced = [e for e in events[lost:] if e.get("event") == "lease.fenced"]
+    assert any("epoch 1 is not current" in str(e.get("error")) for e in fenced), fenced
+    lease = await env.sql(
+        "SELECT epoch, expires_at > now() FROM custody.leases WHERE holder LIKE %s", (holder,)
+    )
+    assert lease == [(2, True)], f"the zombie's lease (epoch, live): {lease}"
+    assert zombie.popen.poll() is None, "the zombie noticed, redid its unit, and carries on"
+
+
+@pytest.mark.timeout(150)
+async def test_a_committer_unit_begun_under_a_lost_epoch_cannot_commit_after_the_lease_is_retaken(
+    env: Env, crew: Crew
+) -> None:
+    """ "A database worker lease prevents stale engine commits, but it cannot stop an
+    already-issued remote effect."
+
+    The committer freezes inside ``commit_successors`` with successor intents claimed
+    and locked, past its lease. A replica cannot take those intents (the zombie's open
+    transaction locks them) but carries on with everything else. On SIGCONT the
+    zombie's heartbeat takes the lease back under epoch 2 before the paused unit
+    commits; the unit began under epoch 1, so its commit is refused, and the zombie
+    redoes it under epoch 2. Every instance completes, every effect happens once."""
+    crew.start_all(skip=("committer",))
+    zombie = crew.fleet.start("committer", extra_env={STOP_ENV: "successor_claimed"})
+    first, n = 3, 9
+    await publish_starts(env.settings, [order(i) for i in range(first)])
+    holder = await _freeze_past_lease(env, zombie, "committer")
+
+    pending = set(
+        await env.sql(
+            "SELECT id, instance_id FROM custody.successor_intents WHERE status = 'pending'"
+        )
+    )
+    free = set(
+        await env.sql(
+            "SELECT id, instance_id FROM custody.successor_intents WHERE status = 'pending'"
+            " FOR SHARE SKIP LOCKED"
+        )
+    )
+    held = pending - free
+    assert held, "the zombie froze holding the successor intents it claimed"
+
+    crew.start("committer")  # the replica
+
+    async def two_consumers() -> bool:
+        return (await _queue(env, broker.QUEUE_REQUESTS))[1] == 2
+
+    await wait_until(two_consumers, timeout=30, what="the replica to consume start requests")
+    # round-robin: some go to the replica, the rest wait, unacked, in the frozen zombie
+    await publish_starts(env.settings, [order(i) for i in range(first, n)])
+    await crew.wait(
+        all_finished(env, 1), timeout=60, what="the replica to complete work of its own"
+    )
+    assert _state(zombie.popen.pid) == "T", "the zombie is still frozen"
+    still = await env.sql(
+        "SELECT id FROM custody.successor_intents WHERE status = 'pending' AND id = ANY(%s)",
+        ([i for i, _ in held],),
+    )
+    assert len(still) == len(held), "the replica could not take the zombie's locked intents"
+    stuck = await count(
+        env,
+        "SELECT count(*) FROM custody.instances WHERE id = ANY(%s) AND status = 'running'",
+        ([iid for _, iid in held],),
+    )
+    assert stuck == len({iid for _, iid in held}), "their instances wait for the zombie"
+
+    os.kill(zombie.popen.pid, signal.SIGCONT)
+    await crew.wait(all_finished(env, n), timeout=60, what="every instance to complete")
+    await _assert_stale_commit_refused(env, zombie, holder)
+    await assert_durable_happy_end(env, n)
+
+
+@pytest.mark.timeout(150)
+async def test_a_receipt_unit_begun_under_a_lost_epoch_cannot_commit_after_the_lease_is_retaken(
+    env: Env, crew: Crew
+) -> None:
+    """ "A database worker lease prevents stale engine commits, but it cannot stop an
+    already-issued remote effect."
+
+    The receipt consumer freezes inside ``apply`` with its batch's operations locked,
+    past its lease. The remote effects go on regardless: the inventory participant
+    reserves stock for every instance and sends every receipt, while the engine has
+    applied none. A replica started then cannot take the zombie's deliveries (they are
+    unacked on the zombie's live connection; nothing is ready in the queue). On SIGCONT
+    the zombie's heartbeat takes the lease back under epoch 2 before the paused unit
+    commits; the unit began under epoch 1, so its commit is refused, and the zombie
+    redoes the batch under epoch 2, sharing later receipts with the replica. Every
+    instance completes, every receipt is applied once, every effect happened once."""
+    crew.start_all(skip=("receipts",))
+    zombie = crew.fleet.start("receipts", extra_env={STOP_ENV: "receipts_locked"})
+    n = 5
+    await publish_starts(env.settings, [order(i) for i in range(n)])
+    holder = await _freeze_past_lease(env, zombie, "receipt consumer")
+
+    async def effects_issued() -> bool:
+        made = await count(
+            env, "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        unsent = await count(
+            env,
+            "SELECT count(*) FROM participant_inventory.outbox WHERE status = 'pending'",
+            participant=True,
+        )
+        return made == n and unsent == 0
+
+    await crew.wait(effects_issued, timeout=60, what="the participant's effects and receipts")
+    crew.start("receipts")  # the replica
+
+    async def held_by_zombie() -> bool:
+        return await _queue(env, broker.QUEUE_RECEIPTS) == (0, 2)
+
+    await wait_until(
+        held_by_zombie, timeout=30, what="the replica to consume, with nothing ready for it"
+    )
+    assert _state(zombie.popen.pid) == "T", "the zombie is still frozen"
+    applied = await count(env, "SELECT count(*) FROM custody.receipt_inbox")
+    assert applied == 0, "no receipt was applied while the zombie held them all"
+    succeeded = await count(
+        env, "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'"
+    )
+    assert succeeded == 0, "the effects happened; the engine does not know yet"
+
+    os.kill(zombie.popen.pid, signal.SIGCONT)
+    await crew.wait(all_finished(env, n), timeout=60, what="every instance to complete")
+    await _assert_stale_commit_refused(env, zombie, holder)
     await assert_durable_happy_end(env, n)

@@ -15,21 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from contracts import codec, identity
 from contracts.models import StartRequest
-from tests.conftest import Env, wait_until
+from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, env_vars
-from workers import broker, db, faults, retention
+from workers import broker, db, engine, faults, process, retention
 from workers.config import ROOT
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -335,3 +337,216 @@ async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_parti
 
 async def _true(box: list[Any]) -> bool:
     return bool(box)
+
+
+# --- one bad definition never stops the committer or the receipts worker ---------------
+
+
+def _definitions(directory: Path, *versions: int, deadline_s: int = 60) -> str:
+    """order-fulfilment at the given versions (the same graph), nothing else."""
+    text = (ROOT / "deploy" / "processes" / "order-fulfilment.v1.toml").read_text()
+    text = text.replace("deadline_seconds = 60", f"deadline_seconds = {deadline_s}")
+    directory.mkdir(parents=True, exist_ok=True)
+    for v in versions:
+        (directory / f"order-fulfilment.v{v}.toml").write_text(
+            text.replace("version = 1", f"version = {v}")
+        )
+    return str(directory)
+
+
+async def _instance_of(env: Env, order_id: str) -> tuple[str, str, int]:
+    [row] = await env.sql(
+        "SELECT id::text, status::text, process_version FROM custody.instances"
+        " WHERE input->>'order_id' = %s",
+        (order_id,),
+    )
+    return row
+
+
+async def _until_instance(env: Env, order_id: str, status: str, timeout: float = 30) -> None:
+    async def reached() -> bool:
+        rows = await env.sql(
+            "SELECT status::text FROM custody.instances WHERE input->>'order_id' = %s",
+            (order_id,),
+        )
+        return rows == [(status,)]
+
+    await wait_until(reached, timeout=timeout, what=f"{order_id} {status}")
+
+
+async def _first_dispatched(env: Env) -> None:
+    async def dispatched() -> bool:
+        return (
+            await env.scalar("SELECT count(*) FROM custody.operations WHERE status = 'dispatched'")
+            == 1
+        )
+
+    await wait_until(dispatched, what="the first operation dispatched")
+
+
+async def test_a_missing_pinned_version_suspends_its_instance_in_the_committer_and_resumes(
+    env: Env, fleet: InProcessFleet, tmp_path: Path
+) -> None:
+    """The seed: "Instances pin the route and binding used for their operations" — and
+    their definition version. A committer whose deployment lacks an instance's pinned
+    version does not crash or redirect it to another version: the instance is
+    suspended with the reason (an alert), every other instance goes on, and once the
+    version is loaded again the suspended instance resumes by itself."""
+    v1, v2, both = (
+        _definitions(tmp_path / "v1", 1),
+        _definitions(tmp_path / "v2", 2),
+        _definitions(tmp_path / "both", 1, 2),
+    )
+    s = env.settings
+    for w in ("committer", "publisher", "receipts", "reconciler"):
+        fleet.start(w, dataclasses.replace(s, processes_dir=v1))
+    await publish_starts(s, [order(1)])  # pins version 1
+    await _first_dispatched(env)
+    await fleet.stop_all()
+
+    fleet.start("committer", dataclasses.replace(s, processes_dir=v2, definition_retry_s=0.5))
+    for w in ("publisher", "receipts", "reconciler"):
+        fleet.start(w, dataclasses.replace(s, processes_dir=both))
+    fleet.start_all(engine=())
+    await _until_instance(env, "order-00001", "suspended")
+    [(reason,)] = await env.sql("SELECT suspended_reason FROM custody.instances")
+    assert reason == "definition_missing"
+    await publish_starts(s, [order(2)])  # version 2: unaffected
+    await _until_instance(env, "order-00002", "completed")
+    fleet.check_alive()
+    assert (await _instance_of(env, "order-00001"))[1:] == ("suspended", 1)
+
+    committer = next(r for r in fleet.running if r.name == "committer")
+    await fleet.stop(committer)
+    fleet.start("committer", dataclasses.replace(s, processes_dir=both, definition_retry_s=0.5))
+    await _until_instance(env, "order-00001", "completed")
+    iid = (await _instance_of(env, "order-00001"))[0]
+    events = [
+        e
+        for (e,) in await env.sql(
+            "SELECT event FROM custody.history WHERE instance_id = %s"
+            " AND event LIKE 'instance.%%' ORDER BY id",
+            (iid,),
+        )
+    ]
+    assert events == [
+        "instance.started",
+        "instance.suspended",
+        "instance.resumed",
+        "instance.completed",
+    ]
+    assert await effects(env, "payments", "charges") == 2
+
+
+async def test_a_missing_pinned_version_in_the_receipts_worker_quarantines_and_recovers(
+    env: Env, fleet: InProcessFleet, tmp_path: Path
+) -> None:
+    """A receipt for an instance whose pinned version the receipts worker does not hold
+    is not a poison message: it is kept in quarantine with the reason
+    ``definition_missing``, the instance is suspended, nothing is dead-lettered, the
+    worker keeps applying every other receipt; reconcile recovers it once the version
+    is back ("Query results pass through the same receipt validation path")."""
+    v1 = _definitions(tmp_path / "v1", 1, deadline_s=3)
+    v2 = _definitions(tmp_path / "v2", 2, deadline_s=3)
+    both = _definitions(tmp_path / "both", 1, 2, deadline_s=3)
+    s = env.settings
+    for w in ("committer", "publisher", "receipts", "reconciler"):
+        fleet.start(w, dataclasses.replace(s, processes_dir=v1))
+    await publish_starts(s, [order(1)])
+    await _first_dispatched(env)
+    await fleet.stop_all()
+
+    for w in ("committer", "publisher", "receipts", "reconciler"):
+        fleet.start(w, dataclasses.replace(s, processes_dir=v2))
+    fleet.start_all(engine=())
+    await _until_instance(env, "order-00001", "suspended")
+    [(reason,)] = await env.sql("SELECT reason FROM custody.quarantine")
+    assert reason == "definition_missing"
+    await publish_starts(s, [order(2)])
+    await _until_instance(env, "order-00002", "completed")
+    fleet.check_alive()
+    depths = await broker.queue_depths(MGMT, env.vhost)
+    assert depths.get(broker.QUEUE_DEAD, 0) == 0
+
+    await fleet.stop_all()
+    env.settings = dataclasses.replace(s, processes_dir=both)
+    fleet.start_all()
+
+    async def unknown() -> bool:
+        return bool(
+            await env.sql("SELECT 1 FROM custody.operations WHERE status = 'outcome_unknown'")
+        )
+
+    await wait_until(unknown, what="the unanswered operation past its deadline")
+    op = await env.scalar(
+        "SELECT id::text FROM custody.operations WHERE status = 'outcome_unknown'"
+    )
+    asked = custody(env, "reconcile", op, "--reason", "version 1 is deployed again")
+    assert asked.returncode == 0, asked.stderr
+    await _until_instance(env, "order-00001", "completed")
+    assert await effects(env, "inventory", "reservations") == 2, "each reserved once"
+
+
+def _with_a_bad_definition(catalog: process.Catalog) -> process.Catalog:
+    """A definition that slipped past load-time validation (built directly): its
+    second node's name is outside the contract's Name pattern, so activating it fails."""
+    good = catalog.latest("order-fulfilment")
+    reserve = dataclasses.replace(good.node("reserve"), on_succeeded="Bad Node")
+    bad_node = dataclasses.replace(good.node("charge"), name="Bad Node")
+    broken = process.Definition(
+        name="broken-flow",
+        version=1,
+        start="reserve",
+        nodes={"reserve": reserve, "Bad Node": bad_node},
+    )
+    starts_bad = process.Definition(
+        name="broken-start",
+        version=1,
+        start="Bad Node",
+        nodes={
+            "Bad Node": dataclasses.replace(reserve, name="Bad Node", on_succeeded="@completed")
+        },
+    )
+    return process.Catalog(
+        {
+            **catalog.definitions,
+            ("broken-flow", 1): broken,
+            ("broken-start", 1): starts_bad,
+        }
+    )
+
+
+async def test_an_activation_that_fails_fails_that_instance_and_never_the_committer(
+    env: Env, fleet: InProcessFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bad process definition must not stop every tenant's work: a start that
+    cannot be activated is quarantined with the reason, an instance whose next node
+    cannot be activated fails with the reason, and the committer goes on."""
+    real = engine.load_config
+
+    def load(settings: Any) -> tuple[Any, process.Catalog]:
+        table, catalog = real(settings)
+        return table, _with_a_bad_definition(catalog)
+
+    monkeypatch.setattr(engine, "load_config", load)
+    fleet.start_all()
+    await publish_starts(env.settings, [order(1)], process="broken-start")
+    await publish_starts(env.settings, [order(2)], process="broken-flow")
+    await publish_starts(env.settings, [order(3)])
+    await _until_instance(env, "order-00003", "completed")
+    await _until_instance(env, "order-00002", "failed")
+    iid = (await _instance_of(env, "order-00002"))[0]
+    [(detail,)] = await env.sql(
+        "SELECT detail FROM custody.history WHERE instance_id = %s AND event = 'instance.failed'",
+        (iid,),
+    )
+    assert detail["reason"] == "activation_failed" and detail["node"] == "Bad Node"
+
+    async def quarantined() -> bool:
+        return bool(
+            await env.sql("SELECT 1 FROM custody.quarantine WHERE reason = 'activation_failed'")
+        )
+
+    await wait_until(quarantined, what="the unstartable start quarantined")
+    assert await env.scalar("SELECT count(*) FROM custody.instances") == 2
+    fleet.check_alive()

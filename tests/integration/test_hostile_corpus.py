@@ -97,6 +97,8 @@ def receipt_body(op: dict[str, Any], **overrides: Any) -> bytes:
         "emitted_at": datetime.now(UTC).isoformat(),
     }
     data.update(overrides)
+    if "receipt_id" not in overrides:  # derived from its request and revision, as a
+        data["receipt_id"] = identity.receipt_id(data["request_id"], data["owner_revision"])
     return orjson.dumps(data)
 
 
@@ -115,10 +117,12 @@ def hostile_receipts(done: list[dict[str, Any]]) -> dict[str, list[bytes]]:
         receipt_body(op, receipt_id=identity.receipt_id(op["request_id"], 2), owner_revision=2)
         for op in ops
     ]
-    # older revisions (new ids): recorded stale, never applied
+    # older revisions (new ids, derived the only other way one can be): recorded
+    # stale, never applied
     stale = [
         receipt_body(
             op,
+            receipt_id=identity.conflict_receipt_id(op["request_id"], op["digest"]),
             owner_revision=1,
             status="failed",
             effect="none",

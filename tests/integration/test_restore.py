@@ -167,3 +167,133 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
     assert await env.scalar("SELECT restore_generation FROM custody.control") == 2
     audit = [a for (a,) in await env.sql("SELECT action FROM custody.audit ORDER BY id")]
     assert audit == ["restore", "restore", "resume", "resume"]
+
+
+async def _dump(env: Env, dump: Path) -> None:
+    subprocess.run(
+        ["pg_dump", "-Fc", "-f", str(dump), env.settings.database_url],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+async def _instance_settles(env: Env, status: str, timeout: float = 40) -> None:
+    async def reached() -> bool:
+        rows = await env.sql(
+            "SELECT i.status::text, bool_and(o.status::text IN"
+            " ('succeeded', 'failed', 'cancelled'))"
+            " FROM custody.instances i JOIN custody.operations o ON o.instance_id = i.id"
+            " GROUP BY i.status"
+        )
+        return rows == [(status, True)]
+
+    await wait_until(reached, timeout=timeout, what=f"the instance {status}, its work settled")
+
+
+async def _restore_and_reconcile(env: Env, fleet: InProcessFleet, dump: Path) -> None:
+    await fleet.stop_all()
+    restore_from(env, dump)
+    held = dataclasses.replace(env.settings, dispatch_paused=True)  # the start-up switch
+    fleet.start_all(engine=("committer", "receipts", "reconciler"))
+    fleet.start("publisher", held)
+    for step in ("mark-restored", "reconcile"):
+        result = custody(env, "restore", step, "--reason", "restored from the dump")
+        assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.timeout(180)
+async def test_a_cancelling_operation_is_reconciled_after_a_restore(
+    env: Env, fleet: InProcessFleet, tmp_path: Path
+) -> None:
+    """The seed: "Reconcile source journals, owner receipts and task state before
+    resuming." The dump holds an operation ``cancelling``; the cancel's answer was
+    consumed after the dump (in the lost future). The restore reconciles it like
+    every non-terminal operation: the owner's journal says cancelled, the operation
+    and the instance settle; before that, report and resume count it as unanswered."""
+    fleet.start_all()
+    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
+    assert paused.returncode == 0, paused.stderr
+    await publish_starts(env.settings, [order(1)])
+
+    async def created() -> bool:
+        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
+
+    await wait_until(created, what="the operation, its submit held")
+    inventory = next(r for r in fleet.running if r.name == "inventory")
+    await fleet.stop(inventory)  # the cancel waits in the broker
+    iid = await env.scalar("SELECT id::text FROM custody.instances")
+    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    assert cancelled.returncode == 0, cancelled.stderr
+
+    async def cancel_sent() -> bool:
+        return (
+            await env.scalar("SELECT status FROM custody.outbox WHERE kind = 'cancel'")
+            == "published"
+        )
+
+    await wait_until(cancel_sent, what="the cancel confirmed by the broker")
+    dump = tmp_path / "engine.dump"
+    await _dump(env, dump)  # the operation is cancelling, its cancel already sent
+    fleet.start("inventory")
+    await _instance_settles(env, "cancelled")  # the lost future
+
+    await _restore_and_reconcile(env, fleet, dump)
+    await _instance_settles(env, "cancelled")
+    report = custody(env, "restore", "report")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["unanswered"] == 0
+    resumed = custody(env, "restore", "resume", "--reason", "journals reconciled")
+    assert resumed.returncode == 0, resumed.stderr
+    rows = await env.sql(
+        "SELECT count(*) FROM participant_inventory.reservations", participant=True
+    )
+    assert rows == [(0,)], "a cancelled order reserves nothing"
+
+
+@pytest.mark.timeout(180)
+async def test_a_cancel_from_the_lost_future_is_evidence_for_the_restored_engine(
+    env: Env, fleet: InProcessFleet, tmp_path: Path
+) -> None:
+    """The seed: "A restored engine can predate an effect that already committed
+    elsewhere." The dump predates the cancel: the restored engine holds the operation
+    in flight with its submit held, while the owner's journal says it was cancelled
+    (under a cancel command the restored engine never issued). The reconcile answer
+    is evidence: validated, it settles the operation and the instance as cancelled (no
+    quarantine as unknown_request or illegal_transition), and the held submit is
+    retired, never sent."""
+    fleet.start_all()
+    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
+    assert paused.returncode == 0, paused.stderr
+    await publish_starts(env.settings, [order(1)])
+
+    async def created() -> bool:
+        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
+
+    await wait_until(created, what="the operation, its submit held")
+    dump = tmp_path / "engine.dump"
+    await _dump(env, dump)  # before the cancel
+    iid = await env.scalar("SELECT id::text FROM custody.instances")
+    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    assert cancelled.returncode == 0, cancelled.stderr
+    await _instance_settles(env, "cancelled")  # the lost future
+
+    await _restore_and_reconcile(env, fleet, dump)
+    await _instance_settles(env, "cancelled")
+    assert await env.scalar("SELECT count(*) FROM custody.quarantine") == 0
+    resumed = custody(env, "restore", "resume", "--reason", "journals reconciled")
+    assert resumed.returncode == 0, resumed.stderr
+    publisher = next(r for r in fleet.running if r.name == "publisher")
+    await fleet.stop(publisher)
+    fleet.start("publisher")
+
+    async def retired() -> bool:
+        return (
+            await env.scalar("SELECT status FROM custody.outbox WHERE kind = 'submit'") == "retired"
+        )
+
+    await wait_until(retired, timeout=20, what="the held submit retired")
+    rows = await env.sql(
+        "SELECT count(*) FROM participant_inventory.reservations", participant=True
+    )
+    assert rows == [(0,)], "a cancelled order reserves nothing"
