@@ -191,6 +191,19 @@ async def _instance_settles(env: Env, status: str, timeout: float = 40) -> None:
     await wait_until(reached, timeout=timeout, what=f"the instance {status}, its work settled")
 
 
+async def _one_operation_held(env: Env, fleet: InProcessFleet) -> None:
+    """The whole fleet, dispatch paused, one instance whose first submit is held."""
+    fleet.start_all()
+    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
+    assert paused.returncode == 0, paused.stderr
+    await publish_starts(env.settings, [order(1)])
+
+    async def created() -> bool:
+        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
+
+    await wait_until(created, what="the operation, its submit held")
+
+
 async def _restore_and_reconcile(env: Env, fleet: InProcessFleet, dump: Path) -> None:
     await fleet.stop_all()
     restore_from(env, dump)
@@ -210,16 +223,8 @@ async def test_a_cancelling_operation_is_reconciled_after_a_restore(
     resuming." The dump holds an operation ``cancelling``; the cancel's answer was
     consumed after the dump (in the lost future). The restore reconciles it like
     every non-terminal operation: the owner's journal says cancelled, the operation
-    and the instance settle; before that, report and resume count it as unanswered."""
-    fleet.start_all()
-    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
-    assert paused.returncode == 0, paused.stderr
-    await publish_starts(env.settings, [order(1)])
-
-    async def created() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
-
-    await wait_until(created, what="the operation, its submit held")
+    and the instance settle, and the report then counts nothing unanswered."""
+    await _one_operation_held(env, fleet)
     inventory = next(r for r in fleet.running if r.name == "inventory")
     await fleet.stop(inventory)  # the cancel waits in the broker
     iid = await env.scalar("SELECT id::text FROM custody.instances")
@@ -262,15 +267,7 @@ async def test_a_cancel_from_the_lost_future_is_evidence_for_the_restored_engine
     is evidence: validated, it settles the operation and the instance as cancelled (no
     quarantine as unknown_request or illegal_transition), and the held submit is
     retired, never sent."""
-    fleet.start_all()
-    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
-    assert paused.returncode == 0, paused.stderr
-    await publish_starts(env.settings, [order(1)])
-
-    async def created() -> bool:
-        return await env.scalar("SELECT count(*) FROM custody.operations") == 1
-
-    await wait_until(created, what="the operation, its submit held")
+    await _one_operation_held(env, fleet)
     dump = tmp_path / "engine.dump"
     await _dump(env, dump)  # before the cancel
     iid = await env.scalar("SELECT id::text FROM custody.instances")
