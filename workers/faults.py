@@ -26,6 +26,7 @@ POINTS: Final = frozenset(
         "mid_effect",
         "after_effect_before_receipt_sent",
         "receipts_after_commit_before_ack",
+        "receipts_between_result_and_successor",
         # inside a unit's transaction, after its rows were claimed and locked
         "starts_locked",
         "successor_claimed",

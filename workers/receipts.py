@@ -129,6 +129,8 @@ class ReceiptConsumer:
             changed = await tx.run_many("operation_apply", w.updates)
             if changed != len(w.updates):
                 raise RuntimeError("an operation changed under its row lock")
+            if w.successors:
+                faults.crash_point("receipts_between_result_and_successor")
             await tx.run_many("node_finish", w.nodes)
             await tx.run_many("successor_insert", w.successors)
             await tx.run_many("instance_suspend", w.suspend)

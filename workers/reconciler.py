@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import db, engine, lifecycle, metrics, operator, retention, runtime
+from workers import db, engine, faults, lifecycle, metrics, operator, retention, runtime
 from workers.config import Settings
 
 ACTOR = "reconciler"
@@ -86,6 +86,8 @@ class Reconciler:
         """One batch of overdue operations to ``outcome_unknown``, in one transaction."""
         async with self.db.transaction(self.lease) as tx:
             rows = await tx.rows("operations_overdue", {"limit": self.settings.batch_size})
+            if rows:
+                await faults.point("deadlines_claimed")
             updates: list[dict[str, Any]] = []
             history: list[dict[str, Any]] = []
             for row in rows:

@@ -278,3 +278,38 @@ async def test_workflow_receipt_application_killed_before_ack_applies_once(
         ([r[0] for r in applied],),
     )
     assert still == len(applied)
+
+
+@pytest.mark.timeout(120)
+async def test_receipt_application_killed_between_result_and_successor_commits_neither(
+    env: Env, crew: Crew
+) -> None:
+    """The seed: "Successful application records the result and next-step intent
+    atomically." The receipt consumer is SIGKILLed inside its transaction after writing
+    a terminal result and before writing the successor intent it causes: neither
+    exists afterwards (one transaction, rolled back whole); the redelivered receipts
+    then apply both, once."""
+    doomed = crew.start("receipts", crash="receipts_between_result_and_successor")
+    crew.start_all(skip=["receipts"])
+    await _start(env)
+    await crew.wait_killed(doomed)
+
+    assert (
+        await count(env, "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'") == 0
+    )
+    assert await count(env, "SELECT count(*) FROM custody.successor_intents") == 0
+    assert (
+        await count(
+            env,
+            "SELECT count(*) FROM custody.receipt_inbox WHERE status = 'succeeded'",
+        )
+        == 0
+    ), "no terminal receipt recorded as applied without its successor"
+
+    assert_clean(crew.start("receipts"))
+    await _settle(env, crew)
+    await assert_durable_happy_end(env, N)
+    dupes = await env.sql(
+        "SELECT from_operation_id FROM custody.successor_intents GROUP BY 1 HAVING count(*) > 1"
+    )
+    assert dupes == []

@@ -19,6 +19,7 @@ import pytest
 
 from tests.acceptance.support import Crew, all_finished, assert_durable_happy_end, count
 from tests.conftest import Env, wait_until
+from tests.fixtures import processes
 from tests.harness import order, publish_starts
 from workers import broker
 from workers.fleet import Proc
@@ -301,3 +302,46 @@ async def test_a_receipt_unit_begun_under_a_lost_epoch_cannot_commit_after_the_l
     await crew.wait(all_finished(env, n), timeout=60, what="every instance to complete")
     await _assert_stale_commit_refused(env, zombie, holder)
     await assert_durable_happy_end(env, n)
+
+
+@pytest.mark.timeout(150)
+async def test_a_reconciler_unit_begun_under_a_lost_epoch_cannot_commit_after_the_lease_is_retaken(
+    env: Env, crew: Crew, tmp_path: Path
+) -> None:
+    """ "A database worker lease prevents stale engine commits, but it cannot stop an
+    already-issued remote effect."
+
+    The reconciler freezes inside its deadline sweep, the overdue operations claimed
+    and locked, past its lease. On SIGCONT its heartbeat takes the lease back under
+    epoch 2 before the paused unit commits: the unit began under epoch 1, so its
+    commit is refused and it is redone under epoch 2. Each overdue operation becomes
+    outcome_unknown exactly once and its instance is suspended; nothing is applied
+    twice or rolled back."""
+    short = {"CUSTODY_PROCESSES_DIR": str(processes.write(tmp_path / "processes", deadline_s=2))}
+    for worker in ("committer", "publisher", "receipts"):
+        crew.fleet.start(worker, extra_env=short)
+    zombie = crew.fleet.start("reconciler", extra_env={**short, STOP_ENV: "deadlines_claimed"})
+    n = 5
+    await publish_starts(env.settings, [order(i) for i in range(n)])  # nobody answers
+    holder = await _freeze_past_lease(env, zombie, "reconciler")
+    os.kill(zombie.popen.pid, signal.SIGCONT)
+    await _assert_stale_commit_refused(env, zombie, holder)
+
+    async def all_unknown() -> bool:
+        return (
+            await env.scalar(
+                "SELECT count(*) FROM custody.operations WHERE status = 'outcome_unknown'"
+            )
+            == n
+        )
+
+    await wait_until(all_unknown, timeout=30, what="every overdue operation outcome_unknown")
+    twice = await env.sql(
+        "SELECT operation_id, count(*) FROM custody.history"
+        " WHERE event = 'operation.outcome_unknown' GROUP BY 1 HAVING count(*) <> 1"
+    )
+    assert twice == [], "each deadline applied exactly once"
+    suspended = await env.scalar(
+        "SELECT count(*) FROM custody.instances WHERE status = 'suspended'"
+    )
+    assert suspended == n
