@@ -265,6 +265,96 @@ BEGIN
   END IF;
 END $$;
 
+-- The lifecycle guard --------------------------------------------------------------
+-- The database refuses a status change the lifecycle does not allow, whoever attempts
+-- it: a worker role, an operator role, the owner. The pairs are workers.lifecycle's
+-- (status_changes() and INSTANCE_TRANSITIONS); tests/unit/test_lifecycle.py keeps them
+-- equal. A repeat of the current status is not a change.
+CREATE TABLE IF NOT EXISTS custody.operation_transitions (
+  from_status custody.operation_status NOT NULL,
+  to_status   custody.operation_status NOT NULL,
+  PRIMARY KEY (from_status, to_status)
+);
+CREATE TABLE IF NOT EXISTS custody.instance_transitions (
+  from_status custody.instance_status NOT NULL,
+  to_status   custody.instance_status NOT NULL,
+  PRIMARY KEY (from_status, to_status)
+);
+DELETE FROM custody.operation_transitions;
+INSERT INTO custody.operation_transitions (from_status, to_status) VALUES
+  ('accepted', 'cancelling'),
+  ('accepted', 'failed'),
+  ('accepted', 'outcome_unknown'),
+  ('accepted', 'retry_waiting'),
+  ('accepted', 'succeeded'),
+  ('cancelling', 'cancelled'),
+  ('cancelling', 'failed'),
+  ('cancelling', 'succeeded'),
+  ('dispatched', 'accepted'),
+  ('dispatched', 'cancelling'),
+  ('dispatched', 'failed'),
+  ('dispatched', 'outcome_unknown'),
+  ('dispatched', 'retry_waiting'),
+  ('dispatched', 'succeeded'),
+  ('outcome_unknown', 'cancelling'),
+  ('outcome_unknown', 'failed'),
+  ('outcome_unknown', 'reconcile_pending'),
+  ('outcome_unknown', 'retry_waiting'),
+  ('outcome_unknown', 'succeeded'),
+  ('pending', 'accepted'),
+  ('pending', 'cancelling'),
+  ('pending', 'dispatched'),
+  ('pending', 'failed'),
+  ('pending', 'outcome_unknown'),
+  ('pending', 'retry_waiting'),
+  ('pending', 'succeeded'),
+  ('reconcile_pending', 'cancelled'),
+  ('reconcile_pending', 'cancelling'),
+  ('reconcile_pending', 'failed'),
+  ('reconcile_pending', 'outcome_unknown'),
+  ('reconcile_pending', 'retry_waiting'),
+  ('reconcile_pending', 'succeeded'),
+  ('retry_waiting', 'cancelled'),
+  ('retry_waiting', 'pending');
+DELETE FROM custody.instance_transitions;
+INSERT INTO custody.instance_transitions (from_status, to_status) VALUES
+  ('cancelling', 'cancelled'),
+  ('running', 'cancelling'),
+  ('running', 'completed'),
+  ('running', 'failed'),
+  ('running', 'suspended'),
+  ('suspended', 'cancelling'),
+  ('suspended', 'running');
+
+CREATE OR REPLACE FUNCTION custody.guard_operation_status() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.status IS DISTINCT FROM OLD.status AND NOT EXISTS (
+       SELECT 1 FROM custody.operation_transitions
+        WHERE from_status = OLD.status AND to_status = NEW.status) THEN
+    RAISE EXCEPTION 'illegal operation transition % -> % (operation %)',
+      OLD.status, NEW.status, OLD.id USING ERRCODE = 'CU002';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE OR REPLACE FUNCTION custody.guard_instance_status() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.status IS DISTINCT FROM OLD.status AND NOT EXISTS (
+       SELECT 1 FROM custody.instance_transitions
+        WHERE from_status = OLD.status AND to_status = NEW.status) THEN
+    RAISE EXCEPTION 'illegal instance transition % -> % (instance %)',
+      OLD.status, NEW.status, OLD.id USING ERRCODE = 'CU002';
+  END IF;
+  RETURN NEW;
+END $$;
+DROP TRIGGER IF EXISTS operation_status_guard ON custody.operations;
+CREATE TRIGGER operation_status_guard BEFORE UPDATE OF status ON custody.operations
+  FOR EACH ROW EXECUTE FUNCTION custody.guard_operation_status();
+DROP TRIGGER IF EXISTS instance_status_guard ON custody.instances;
+CREATE TRIGGER instance_status_guard BEFORE UPDATE OF status ON custody.instances
+  FOR EACH ROW EXECUTE FUNCTION custody.guard_instance_status();
+
 -- Least privilege ------------------------------------------------------------------
 -- One role per worker type, granted only what its commit boundary needs, plus the
 -- operator CLI's role. Nobody but the owner may update or delete audit rows.
@@ -288,26 +378,51 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON custody.leases TO custody_committer, cus
   custody_receipts, custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
-GRANT SELECT ON custody.control TO custody_committer, custody_publisher, custody_receipts,
-  custody_reconciler, custody_operator;
+GRANT SELECT ON custody.control, custody.operation_transitions, custody.instance_transitions
+  TO custody_committer, custody_publisher, custody_receipts, custody_reconciler,
+  custody_operator;
+
+-- The committer, the publisher and the receipt consumer may update only the columns
+-- their commit boundary writes (a table-level UPDATE from an earlier release is revoked
+-- first: revoking it also revokes its column privileges).
+REVOKE UPDATE ON custody.instances, custody.node_states, custody.operations,
+  custody.start_tombstones, custody.successor_intents, custody.outbox
+  FROM custody_committer, custody_publisher, custody_receipts;
 
 -- transition committer: starts, successors, and authorized cancel requests
-GRANT SELECT, INSERT, UPDATE ON custody.instances, custody.node_states, custody.operations,
+GRANT SELECT, INSERT ON custody.instances, custody.node_states, custody.operations,
   custody.start_tombstones TO custody_committer;
+GRANT UPDATE (status, suspended_reason, updated_at, finished_at) ON custody.instances
+  TO custody_committer;
+GRANT UPDATE (status, updated_at) ON custody.node_states TO custody_committer;
+GRANT UPDATE (status, effect, updated_at, finished_at) ON custody.operations
+  TO custody_committer;  -- the cancel transition only
+GRANT UPDATE (late_start_at) ON custody.start_tombstones TO custody_committer;
 GRANT SELECT, INSERT ON custody.attempts TO custody_committer;
 GRANT INSERT ON custody.outbox, custody.history, custody.quarantine, custody.audit
   TO custody_committer;
-GRANT SELECT, UPDATE ON custody.successor_intents TO custody_committer;
+GRANT UPDATE (status, claimed_by, claim_expires_at, last_error) ON custody.outbox
+  TO custody_committer;  -- retiring a cancelled operation's submit
+GRANT SELECT ON custody.successor_intents TO custody_committer;
+GRANT UPDATE (status, done_at, not_before) ON custody.successor_intents TO custody_committer;
 
 -- outbox publisher: claims and marks; the confirm mark moves pending → dispatched
-GRANT SELECT, UPDATE ON custody.outbox TO custody_publisher;
+GRANT SELECT ON custody.outbox TO custody_publisher;
+GRANT UPDATE (status, claimed_by, claim_expires_at, publish_attempts, next_attempt_at,
+              last_error, published_at) ON custody.outbox TO custody_publisher;
 GRANT SELECT ON custody.instances, custody.attempts TO custody_publisher;
-GRANT SELECT, UPDATE ON custody.operations TO custody_publisher;
+GRANT SELECT ON custody.operations TO custody_publisher;
+GRANT UPDATE (status, updated_at, deadline_at) ON custody.operations TO custody_publisher;
 GRANT INSERT ON custody.history TO custody_publisher;
 
 -- receipt consumer: validated result, status, revision, successor intent, quarantine
-GRANT SELECT, UPDATE ON custody.operations, custody.instances, custody.node_states
+GRANT SELECT ON custody.operations, custody.instances, custody.node_states
   TO custody_receipts;
+GRANT UPDATE (status, effect, owner_revision, receipt_hash, result, error, updated_at,
+              deadline_at, retry_at, finished_at) ON custody.operations TO custody_receipts;
+GRANT UPDATE (status, suspended_reason, updated_at, finished_at) ON custody.instances
+  TO custody_receipts;
+GRANT UPDATE (status, updated_at) ON custody.node_states TO custody_receipts;
 GRANT SELECT ON custody.attempts TO custody_receipts;
 GRANT SELECT, INSERT ON custody.receipt_inbox TO custody_receipts;
 GRANT SELECT, INSERT ON custody.successor_intents TO custody_receipts;
@@ -331,7 +446,6 @@ GRANT INSERT ON custody.attempts, custody.outbox, custody.history, custody.audit
 GRANT DELETE ON custody.receipt_inbox, custody.outbox, custody.quarantine TO custody_operator;
 -- cancel suppresses pending successors and retires the submits it makes undeliverable
 GRANT UPDATE ON custody.successor_intents, custody.outbox TO custody_operator;
-GRANT UPDATE ON custody.outbox TO custody_committer;
 
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler, custody_operator;

@@ -121,6 +121,32 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
 }
 
 
+IS = InstanceStatus
+# The instance lifecycle, as data like the operation's. Every instance status change the
+# engine writes is one of these; the database refuses any other (schema.sql's trigger).
+INSTANCE_TRANSITIONS: Final[frozenset[tuple[InstanceStatus, InstanceStatus]]] = frozenset(
+    {
+        (IS.RUNNING, IS.SUSPENDED),  # an outcome unknown, or its pinned version not loaded
+        (IS.SUSPENDED, IS.RUNNING),  # resolved, or the version is loaded again
+        (IS.RUNNING, IS.CANCELLING),
+        (IS.SUSPENDED, IS.CANCELLING),
+        (IS.CANCELLING, IS.CANCELLED),  # once every operation has authoritative evidence
+        (IS.RUNNING, IS.COMPLETED),
+        (IS.RUNNING, IS.FAILED),
+    }
+)
+
+
+def status_changes() -> frozenset[tuple[Status, Status]]:
+    """Every operation status change the table allows (a change of status, not a
+    repeat): what the database's transition guard admits."""
+    return frozenset(
+        (source, target)
+        for (source, _), target in TRANSITIONS.items()
+        if isinstance(target, Status) and target is not source
+    )
+
+
 class IllegalTransition(ValueError):
     """The event is not allowed in the current status (an integrity violation)."""
 

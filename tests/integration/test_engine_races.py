@@ -145,8 +145,8 @@ async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_wo
 
     async def cancel_now() -> None:
         cli = Cli(env, "cancel", await the_instance(env), "--reason", "customer withdrew")
-        cancel.append(cli)
         await cli.start()
+        cancel.append(cli)
         await cli.finished_or_blocked()
 
     faults.set_hook("successor_claimed", once_at(1, cancel_now))  # reserve -> charge
@@ -182,8 +182,8 @@ async def test_an_end_node_racing_a_cancel_leaves_one_terminal_instance_event(
 
     async def cancel_now() -> None:
         cli = Cli(env, "cancel", await the_instance(env), "--reason", "too late to matter")
-        cancel.append(cli)
         await cli.start()
+        cancel.append(cli)
         await cli.finished_or_blocked()
 
     faults.set_hook("successor_claimed", once_at(3, cancel_now))  # ship -> @completed
@@ -227,8 +227,8 @@ async def test_cancel_start_under_another_spelling_of_the_id_is_serialised_with_
         spelled = "{" + start_id.upper() + "}"
         cli = Cli(env, "cancel-start", spelled, "--tenant", "acme", "--reason", "withdrawn")
         cli.args = (*cli.args, "--json")
-        cancel.append(cli)
         await cli.start()
+        cancel.append(cli)
         await cli.finished_or_blocked()
 
     faults.set_hook("starts_locked", once_at(1, cancel_now))

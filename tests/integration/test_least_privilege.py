@@ -5,6 +5,7 @@ them; here each is shown refused outside its boundary."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import psycopg
 import pytest
@@ -29,6 +30,14 @@ REFUSED = [
     ("custody_reconciler", "INSERT INTO custody.instances (id) VALUES (gen_random_uuid())"),
     ("custody_reconciler", "UPDATE custody.control SET dispatch_paused = false"),
     ("custody_operator", "DELETE FROM custody.history"),
+    # column-level: each role writes only the columns its commit boundary owns
+    ("custody_publisher", "UPDATE custody.operations SET result = '{}'"),
+    ("custody_publisher", "UPDATE custody.operations SET owner = 'payments'"),
+    ("custody_publisher", "UPDATE custody.outbox SET body = ''"),
+    ("custody_receipts", "UPDATE custody.operations SET binding = 'payments.v1'"),
+    ("custody_receipts", "UPDATE custody.instances SET routes = '{}'"),
+    ("custody_committer", "UPDATE custody.operations SET result = '{}'"),
+    ("custody_committer", "UPDATE custody.outbox SET body = ''"),
     ("custody_participant_inventory", "SELECT count(*) FROM custody.operations"),
 ]
 AUDIT_WRITERS = [
@@ -118,3 +127,87 @@ async def test_engine_broker_users_write_only_where_their_boundary_does(
     )
     with pytest.raises(AssertionError, match="channel"):
         await publish_raw(settings, exchange, "x", [b"{}"])
+
+
+ENGINE_ROLES = [
+    "custody_committer",
+    "custody_publisher",
+    "custody_receipts",
+    "custody_reconciler",
+    "custody_operator",
+    "postgres",
+]
+ILLEGAL = [
+    ("operations", "failed", "succeeded"),
+    ("operations", "cancelled", "succeeded"),
+    ("operations", "outcome_unknown", "pending"),
+    ("instances", "completed", "running"),
+    ("instances", "cancelled", "running"),
+]
+
+
+def _row(env: Env, table: str, status: str) -> str:
+    """One instance (and, for operations, one operation of it) in ``status``."""
+    iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
+            " process_version, input, status, requested_by, routes)"
+            " VALUES (%s, 'acme', gen_random_uuid(), 'order-fulfilment', 1, '{}', %s,"
+            " 'test', '{}')",
+            (iid, status if table == "instances" else "running"),
+        )
+        if table == "operations":
+            conn.execute(
+                "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+                " operation, route, owner, principal, binding, input, lineage, attempt,"
+                " digest, status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
+                " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
+                " 'inventory.v1', '{}', '{}', 1, 'x', %s, 60)",
+                (oid, iid, status),
+            )
+    return oid if table == "operations" else iid
+
+
+@pytest.mark.parametrize("role", ENGINE_ROLES)
+@pytest.mark.parametrize(
+    ("table", "before", "after"), ILLEGAL, ids=[f"{t}:{b}->{a}" for t, b, a in ILLEGAL]
+)
+def test_a_status_change_the_lifecycle_forbids_is_refused_by_the_database(
+    env: Env, role: str, table: str, before: str, after: str
+) -> None:
+    """The seed: "Unknown effects cannot become success through an operator assertion
+    or blind replay" and "Operators use controlled recovery commands rather than
+    editing runtime rows directly." Whoever attempts it — a worker role, the operator
+    role, the owner — a status change the lifecycle table does not allow is refused by
+    the database itself: by a missing privilege, or by the transition guard."""
+    ident = _row(env, table, before)
+    url = (
+        env.settings.database_url
+        if role == "postgres"
+        else db.with_user(env.settings.database_url, role)
+    )
+    with psycopg.connect(url) as conn:
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute(
+                f"UPDATE custody.{table} SET status = %s WHERE id = %s",  # type: ignore[arg-type]
+                (after, ident),
+            )
+        assert isinstance(refused.value, psycopg.errors.InsufficientPrivilege) or (
+            refused.value.sqlstate == "CU002"
+        ), refused.value
+    with psycopg.connect(env.settings.database_url) as conn:
+        row = conn.execute(f"SELECT status::text FROM custody.{table} WHERE id = %s", (ident,))  # type: ignore[arg-type]
+        assert row.fetchone() == (before,)
+
+
+def test_a_status_change_the_lifecycle_allows_still_goes_through(env: Env) -> None:
+    """The guard refuses only what the lifecycle forbids: the publisher's confirm mark
+    (pending -> dispatched) is a legal change under its own role."""
+    oid = _row(env, "operations", "pending")
+    with psycopg.connect(db.with_user(env.settings.database_url, "custody_publisher")) as conn:
+        conn.execute("UPDATE custody.operations SET status = 'dispatched' WHERE id = %s", (oid,))
+        conn.commit()
+    with psycopg.connect(env.settings.database_url) as conn:
+        row = conn.execute("SELECT status::text FROM custody.operations WHERE id = %s", (oid,))
+        assert row.fetchone() == ("dispatched",)

@@ -379,3 +379,24 @@ def _sql_enum(type_name: str) -> list[str]:
 def test_python_enums_match_the_schema_enums(type_name: str, enum: type) -> None:
     """schema.sql is the truth: Python enums are tested against its types."""
     assert _sql_enum(type_name) == [m.value for m in enum]  # type: ignore[attr-defined]
+
+
+def _schema_pairs(table: str) -> set[tuple[str, str]]:
+    from workers.config import ROOT
+
+    text = (ROOT / "schema.sql").read_text()
+    start = text.index(f"INSERT INTO custody.{table} (from_status, to_status) VALUES")
+    values = text[start : text.index(";", start)]
+    return set(re.findall(r"\('([a-z_]+)', '([a-z_]+)'\)", values))
+
+
+def test_the_database_guard_allows_exactly_the_lifecycle_tables_changes() -> None:
+    """schema.sql's transition tables (the trigger that refuses any other status change,
+    whoever attempts it) are the Python lifecycle's, pair for pair."""
+    from workers.lifecycle import INSTANCE_TRANSITIONS, status_changes
+
+    ops = {(a.value, b.value) for a, b in status_changes()}
+    assert _schema_pairs("operation_transitions") == ops
+    instances = {(a.value, b.value) for a, b in INSTANCE_TRANSITIONS}
+    assert _schema_pairs("instance_transitions") == instances
+    assert ("failed", "succeeded") not in ops and ("cancelled", "succeeded") not in ops
