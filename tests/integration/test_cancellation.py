@@ -125,7 +125,7 @@ async def test_a_cancel_before_acceptance_leaves_a_tombstone_and_the_late_comman
             return await hold.depth() == 1
 
         await wait_until(held, timeout=15, what="the command held in the broker")
-    done = custody(env, "cancel", iid, "--reason", "customer cancelled the order")
+    done = await custody(env, "cancel", iid, "--reason", "customer cancelled the order")
     assert done.returncode == 0, done.stderr
     await until_instance(env, iid, "cancelled")
     assert await status_of(env, "reserve") == ("cancelled", "none", 1, "cancelled")
@@ -186,7 +186,9 @@ async def test_an_accepted_command_not_yet_executed_is_cancelled_with_effect_non
         )
 
     await wait_until(deferred, what="the command accepted, its handler deferred")
-    assert custody(env, "cancel", iid, "--reason", "customer cancelled the order").returncode == 0
+    assert (
+        await custody(env, "cancel", iid, "--reason", "customer cancelled the order")
+    ).returncode == 0
     await until_instance(env, iid, "cancelled")
     gate.set()
     assert await status_of(env, "reserve") == ("cancelled", "none", 1, "cancelled")
@@ -236,7 +238,9 @@ async def test_a_success_that_wins_the_race_stays_succeeded_and_no_successor_run
         )
 
     await wait_until(deferred, what="the command accepted, its handler deferred")
-    assert custody(env, "cancel", iid, "--reason", "customer cancelled the order").returncode == 0
+    assert (
+        await custody(env, "cancel", iid, "--reason", "customer cancelled the order")
+    ).returncode == 0
     await until_status(env, "reserve", "cancelling")
     gate.set()
     await until_instance(env, iid, "cancelled")
@@ -262,7 +266,7 @@ async def test_nothing_is_marked_cancelled_on_a_timeout(env: Env, tmp_path: Path
         [start] = await publish_starts(env.settings, [order(1)])
         iid = await instance_of(env, start)
         await until_status(env, "reserve", "dispatched")
-        assert custody(env, "cancel", iid, "--reason", "customer cancelled").returncode == 0
+        assert (await custody(env, "cancel", iid, "--reason", "customer cancelled")).returncode == 0
         await until_status(env, "reserve", "cancelling")
 
         async def past_deadline() -> bool:
@@ -287,7 +291,7 @@ async def test_cancelling_a_start_before_its_instance_exists_makes_the_late_star
     before an instance exists": a durable record; the late start creates nothing."""
     fleet.start_all()
     start_id = str(uuid.uuid4())
-    done = custody(
+    done = await custody(
         env,
         "cancel-start",
         start_id,
@@ -382,7 +386,7 @@ async def test_cancellation_is_refused_for_an_operator_without_the_right(
     fleet.start_all(participants=())
     [start] = await publish_starts(env.settings, [order(1)])
     iid = await instance_of(env, start)
-    result = custody(env, "cancel", iid, "--reason", "just looking around", actor="auditor")
+    result = await custody(env, "cancel", iid, "--reason", "just looking around", actor="auditor")
     assert result.returncode == 3 and "may not cancel" in result.stderr
     assert await instance_status(env, iid) == "running"
     assert await env.sql("SELECT actor, outcome FROM custody.audit") == [("auditor", "refused")]

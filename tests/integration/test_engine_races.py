@@ -286,7 +286,7 @@ async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_parti
     retention later forgets the tombstone; dispatch resumes. The submit of the
     cancelled operation is retired, never dispatched, and nothing executes."""
     fleet.start_all()
-    paused = custody(env, "dispatch", "pause", "--reason", "maintenance")
+    paused = await custody(env, "dispatch", "pause", "--reason", "maintenance")
     assert paused.returncode == 0, paused.stderr
     await publish_starts(env.settings, [order(1)])
 
@@ -295,7 +295,7 @@ async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_parti
 
     await wait_until(created, what="the first operation, its submit held")
     iid = await the_instance(env)
-    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    cancelled = await custody(env, "cancel", iid, "--reason", "customer withdrew")
     assert cancelled.returncode == 0, cancelled.stderr
     await settled(env, iid, "cancelled")
 
@@ -309,7 +309,7 @@ async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_parti
         await inventory.close()
     assert removed["inbox"] == 1, "the tombstone is gone from the participant"
 
-    resumed = custody(env, "dispatch", "resume", "--reason", "maintenance over")
+    resumed = await custody(env, "dispatch", "resume", "--reason", "maintenance over")
     assert resumed.returncode == 0, resumed.stderr
     await publish_starts(env.settings, [order(2)])  # the publisher claims many times
 
@@ -481,7 +481,7 @@ async def test_a_missing_pinned_version_in_the_receipts_worker_quarantines_and_r
     op = await env.scalar(
         "SELECT id::text FROM custody.operations WHERE status = 'outcome_unknown'"
     )
-    asked = custody(env, "reconcile", op, "--reason", "version 1 is deployed again")
+    asked = await custody(env, "reconcile", op, "--reason", "version 1 is deployed again")
     assert asked.returncode == 0, asked.stderr
     await _until_instance(env, "order-00001", "completed")
     assert await effects(env, "inventory", "reservations") == 2, "each reserved once"

@@ -94,7 +94,7 @@ async def _attempt_two_while_one_is_in_flight(
         "UPDATE custody.operations SET status = 'retry_waiting', effect = 'none' WHERE id = %s",
         (oid,),
     )
-    done = custody(env, "retry-safe", oid, "--reason", "gateway is back, retrying")
+    done = await custody(env, "retry-safe", oid, "--reason", "gateway is back, retrying")
     assert done.returncode == 0, done.stderr
     assert await _operation(env, oid) == ("pending", 2, True)
     second = await pub.claim()

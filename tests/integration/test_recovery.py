@@ -7,6 +7,7 @@ interpret timeout as permission to create a new operation."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -41,17 +42,30 @@ async def fleet(short: Env) -> AsyncIterator[InProcessFleet]:
     await f.stop_all()
 
 
-def custody(env: Env, *args: str, actor: str | None = "oncall") -> subprocess.CompletedProcess[str]:
-    """The operator CLI, as a separate process against the test's database."""
+async def custody(
+    env: Env, *args: str, actor: str | None = "oncall"
+) -> subprocess.CompletedProcess[str]:
+    """The operator CLI, as a separate process against the test's database. Awaited, so
+    the in-process workers keep running meanwhile (as they would beside a real
+    operator): a blocking call would freeze their event loop, lose their leases and
+    deadlock a CLI that waits on a row lock one of them holds."""
     extra = {"CUSTODY_OPERATOR": actor} if actor else {}
-    return subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args],
+    argv = [sys.executable, "-m", "workers.cli", *args]
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **env_vars(env), **extra},
     )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise subprocess.TimeoutExpired(argv, 60) from None
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(argv, proc.returncode, out.decode(), err.decode())
 
 
 def env_vars(env: Env) -> dict[str, str]:
@@ -134,10 +148,10 @@ async def test_the_operator_story_timeout_reconcile_late_success_successors_run(
     await purge(short, broker.QUEUE_RECEIPTS)  # the responses are lost
     await until_status(short, "reserve", "outcome_unknown")
 
-    listed = custody(short, "operations", "list", "--status", "outcome_unknown", "--json")
+    listed = await custody(short, "operations", "list", "--status", "outcome_unknown", "--json")
     assert listed.returncode == 0, listed.stderr
     [row] = json.loads(listed.stdout)
-    done = custody(
+    done = await custody(
         short, "reconcile", row["id"], "--reason", "participant restarted, lost replies", "--json"
     )
     assert done.returncode == 0, done.stderr
@@ -189,7 +203,9 @@ async def test_a_null_query_answer_is_not_proof_that_no_effect_occurred(
     await until_status(short, "reserve", "outcome_unknown")
     fleet.start("inventory")
     oid = await op_id(short, "reserve")
-    assert custody(short, "reconcile", oid, "--reason", "checking the lost command").returncode == 0
+    assert (
+        await custody(short, "reconcile", oid, "--reason", "checking the lost command")
+    ).returncode == 0
 
     async def answered() -> bool:
         facts = await short.sql(
@@ -283,10 +299,10 @@ async def test_retry_safe_is_refused_unless_retry_waiting_with_effect_none(
     await publish_starts(short.settings, [order(1)])
     await until_status(short, "reserve", "outcome_unknown")
     oid = await op_id(short, "reserve")
-    refused = custody(short, "retry-safe", oid, "--reason", "please just run it again")
+    refused = await custody(short, "retry-safe", oid, "--reason", "please just run it again")
     assert refused.returncode == 3
     assert "retry_waiting with effect none" in refused.stderr
-    missing = custody(
+    missing = await custody(
         short, "retry-safe", "00000000-0000-4000-8000-000000000000", "--reason", "no such operation"
     )
     assert missing.returncode == 4
@@ -294,7 +310,7 @@ async def test_retry_safe_is_refused_unless_retry_waiting_with_effect_none(
     assert await status_of(short, "reserve") == ("outcome_unknown", "unknown", 1, "suspended")
     audit = await short.sql("SELECT action, outcome FROM custody.audit ORDER BY id")
     assert audit == [("retry-safe", "refused"), ("retry-safe", "not_found")]
-    commands = custody(short, "--help").stdout
+    commands = (await custody(short, "--help")).stdout
     assert "succeed" not in commands and "replay" not in commands
 
 
@@ -313,7 +329,9 @@ async def test_operator_retry_safe_from_retry_waiting_creates_attempt_two(
         await publish_starts(env.settings, [order(1, flaky=True)])
         await until_status(env, "charge", "retry_waiting")
         oid = await op_id(env, "charge")
-        done = custody(env, "retry-safe", oid, "--reason", "gateway is back, retrying", "--json")
+        done = await custody(
+            env, "retry-safe", oid, "--reason", "gateway is back, retrying", "--json"
+        )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["attempt"] == 2
         await until_status(env, "charge", "succeeded")
@@ -349,7 +367,7 @@ async def test_operator_commands_are_authorized_and_every_refusal_is_audited(
     await publish_starts(short.settings, [order(1)])
     await until_status(short, "reserve", "outcome_unknown")
     oid = await op_id(short, "reserve")
-    result = custody(short, "reconcile", oid, *args, actor=actor)
+    result = await custody(short, "reconcile", oid, *args, actor=actor)
     assert result.returncode == 3
     assert why in result.stderr
     assert await status_of(short, "reserve") == ("outcome_unknown", "unknown", 1, "suspended")
@@ -365,7 +383,7 @@ async def test_tenant_scoped_operators_cannot_act_on_other_tenants(
     await publish_starts(short.settings, [order(1)], tenant="globex")
     await until_status(short, "reserve", "outcome_unknown")
     oid = await op_id(short, "reserve")
-    result = custody(
+    result = await custody(
         short, "reconcile", oid, "--reason", "support ticket 123", actor="acme-support"
     )
     assert result.returncode == 3 and "tenant 'globex'" in result.stderr
@@ -377,7 +395,9 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
     """Global and per-instance pause hold submits in the outbox (nothing reaches a
     participant); resume releases them; both are audited."""
     fleet.start_all()
-    assert custody(short, "dispatch", "pause", "--reason", "maintenance window").returncode == 0
+    assert (
+        await custody(short, "dispatch", "pause", "--reason", "maintenance window")
+    ).returncode == 0
     await publish_starts(short.settings, [order(1)])
 
     async def created() -> bool:
@@ -387,7 +407,9 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
     ready = await short.scalar("SELECT count(*) FROM custody.outbox WHERE status = 'pending'")
     assert ready == 1
     assert await status_of(short, "reserve") == ("pending", "unknown", 1, "running")
-    assert custody(short, "dispatch", "resume", "--reason", "maintenance is over").returncode == 0
+    assert (
+        await custody(short, "dispatch", "resume", "--reason", "maintenance is over")
+    ).returncode == 0
     await until_status(short, "ship", "succeeded")
 
     publisher = next(r for r in fleet.running if r.name == "publisher")
@@ -401,12 +423,10 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
     instance = await short.scalar(
         "SELECT id::text FROM custody.instances WHERE start_request_id = %s", (held,)
     )
-    assert (
-        custody(
-            short, "dispatch", "pause", "--instance", instance, "--reason", "customer asked to hold"
-        ).returncode
-        == 0
+    paused = await custody(
+        short, "dispatch", "pause", "--instance", instance, "--reason", "customer asked to hold"
     )
+    assert paused.returncode == 0, paused.stderr
     fleet.start("publisher")
 
     async def other_done() -> bool:

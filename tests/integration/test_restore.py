@@ -98,7 +98,7 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
     fleet.start_all(engine=("committer", "receipts", "reconciler"))
     fleet.start("publisher", held)
     for step in ("mark-restored", "reconcile"):
-        result = custody(env, "restore", step, "--reason", "restored from last night's dump")
+        result = await custody(env, "restore", step, "--reason", "restored from last night's dump")
         assert result.returncode == 0, result.stderr
 
     async def answered() -> bool:
@@ -124,7 +124,7 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
     )
     assert held_submits == 10
 
-    report = custody(env, "restore", "report")
+    report = await custody(env, "restore", "report")
     assert report.returncode == 0, report.stderr
     lost = json.loads(report.stdout)
     unknown = {(r["participant"], r["operation"]) for r in lost["unknown_to_engine"]}
@@ -136,7 +136,7 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
     assert lost["effects_unknown_to_engine"] == 15  # C's 5 instances x 3 effects
     assert lost["unanswered"] == 0
 
-    early = custody(env, "dispatch", "resume", "--reason", "not through the runbook")
+    early = await custody(env, "dispatch", "resume", "--reason", "not through the runbook")
     assert early.returncode == 0  # clears the database flag only: the start-up switch holds
     assert (
         await env.scalar(
@@ -144,7 +144,7 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
         )
         == 10
     )
-    result = custody(env, "restore", "resume", "--reason", "journals reconciled")
+    result = await custody(env, "restore", "resume", "--reason", "journals reconciled")
     assert result.returncode == 0, result.stderr
     publisher = next(r for r in fleet.running if r.name == "publisher")
     await fleet.stop(publisher)
@@ -194,7 +194,7 @@ async def _instance_settles(env: Env, status: str, timeout: float = 40) -> None:
 async def _one_operation_held(env: Env, fleet: InProcessFleet) -> None:
     """The whole fleet, dispatch paused, one instance whose first submit is held."""
     fleet.start_all()
-    paused = custody(env, "dispatch", "pause", "--reason", "hold the submit")
+    paused = await custody(env, "dispatch", "pause", "--reason", "hold the submit")
     assert paused.returncode == 0, paused.stderr
     await publish_starts(env.settings, [order(1)])
 
@@ -211,7 +211,7 @@ async def _restore_and_reconcile(env: Env, fleet: InProcessFleet, dump: Path) ->
     fleet.start_all(engine=("committer", "receipts", "reconciler"))
     fleet.start("publisher", held)
     for step in ("mark-restored", "reconcile"):
-        result = custody(env, "restore", step, "--reason", "restored from the dump")
+        result = await custody(env, "restore", step, "--reason", "restored from the dump")
         assert result.returncode == 0, result.stderr
 
 
@@ -228,7 +228,7 @@ async def test_a_cancelling_operation_is_reconciled_after_a_restore(
     inventory = next(r for r in fleet.running if r.name == "inventory")
     await fleet.stop(inventory)  # the cancel waits in the broker
     iid = await env.scalar("SELECT id::text FROM custody.instances")
-    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    cancelled = await custody(env, "cancel", iid, "--reason", "customer withdrew")
     assert cancelled.returncode == 0, cancelled.stderr
 
     async def cancel_sent() -> bool:
@@ -245,10 +245,10 @@ async def test_a_cancelling_operation_is_reconciled_after_a_restore(
 
     await _restore_and_reconcile(env, fleet, dump)
     await _instance_settles(env, "cancelled")
-    report = custody(env, "restore", "report")
+    report = await custody(env, "restore", "report")
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout)["unanswered"] == 0
-    resumed = custody(env, "restore", "resume", "--reason", "journals reconciled")
+    resumed = await custody(env, "restore", "resume", "--reason", "journals reconciled")
     assert resumed.returncode == 0, resumed.stderr
     rows = await env.sql(
         "SELECT count(*) FROM participant_inventory.reservations", participant=True
@@ -271,14 +271,14 @@ async def test_a_cancel_from_the_lost_future_is_evidence_for_the_restored_engine
     dump = tmp_path / "engine.dump"
     await _dump(env, dump)  # before the cancel
     iid = await env.scalar("SELECT id::text FROM custody.instances")
-    cancelled = custody(env, "cancel", iid, "--reason", "customer withdrew")
+    cancelled = await custody(env, "cancel", iid, "--reason", "customer withdrew")
     assert cancelled.returncode == 0, cancelled.stderr
     await _instance_settles(env, "cancelled")  # the lost future
 
     await _restore_and_reconcile(env, fleet, dump)
     await _instance_settles(env, "cancelled")
     assert await env.scalar("SELECT count(*) FROM custody.quarantine") == 0
-    resumed = custody(env, "restore", "resume", "--reason", "journals reconciled")
+    resumed = await custody(env, "restore", "resume", "--reason", "journals reconciled")
     assert resumed.returncode == 0, resumed.stderr
     publisher = next(r for r in fleet.running if r.name == "publisher")
     await fleet.stop(publisher)

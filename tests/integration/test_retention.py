@@ -86,7 +86,7 @@ async def test_a_replay_inside_the_horizon_is_deduplicated_after_cleanup(
 
     await wait_until(done, what="the command to complete")
     first = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=1.0)
-    cleaned = custody(env, "retention", "cleanup", "--participant", "inventory", "--json")
+    cleaned = await custody(env, "retention", "cleanup", "--participant", "inventory", "--json")
     assert cleaned.returncode == 0, cleaned.stderr
     assert '"inbox": 0' in cleaned.stdout
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
@@ -142,7 +142,7 @@ async def test_cleanup_removes_settled_history_older_than_the_horizon_in_batches
         "UPDATE participant_inventory.outbox SET published_at = now() - interval '40 days'",
         participant=True,
     )
-    cleaned = custody(env, "retention", "cleanup", "--participant", "inventory", "--json")
+    cleaned = await custody(env, "retention", "cleanup", "--participant", "inventory", "--json")
     assert cleaned.returncode == 0, cleaned.stderr
     assert '"inbox": 1' in cleaned.stdout and '"outbox": 6' in cleaned.stdout
     left = await env.sql(
