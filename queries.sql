@@ -647,9 +647,12 @@ DELETE FROM receipt_inbox r
                    LIMIT %(limit)s);
 
 -- name: retention_outbox
+-- Sent rows after the horizon, and retired ones (never sent) once as old.
 DELETE FROM outbox WHERE ctid IN (
-  SELECT ctid FROM outbox WHERE status = 'published'
-     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
+  SELECT ctid FROM outbox
+   WHERE (status = 'published' AND published_at < now() - make_interval(secs => %(horizon)s))
+      OR (status = 'retired' AND created_at < now() - make_interval(secs => %(horizon)s))
+   LIMIT %(limit)s);
 
 -- name: retention_quarantine
 DELETE FROM quarantine WHERE ctid IN (

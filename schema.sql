@@ -282,6 +282,7 @@ CREATE TABLE IF NOT EXISTS custody.instance_transitions (
 );
 DELETE FROM custody.operation_transitions;
 INSERT INTO custody.operation_transitions (from_status, to_status) VALUES
+  ('accepted', 'cancelled'),
   ('accepted', 'cancelling'),
   ('accepted', 'failed'),
   ('accepted', 'outcome_unknown'),
@@ -291,17 +292,20 @@ INSERT INTO custody.operation_transitions (from_status, to_status) VALUES
   ('cancelling', 'failed'),
   ('cancelling', 'succeeded'),
   ('dispatched', 'accepted'),
+  ('dispatched', 'cancelled'),
   ('dispatched', 'cancelling'),
   ('dispatched', 'failed'),
   ('dispatched', 'outcome_unknown'),
   ('dispatched', 'retry_waiting'),
   ('dispatched', 'succeeded'),
+  ('outcome_unknown', 'cancelled'),
   ('outcome_unknown', 'cancelling'),
   ('outcome_unknown', 'failed'),
   ('outcome_unknown', 'reconcile_pending'),
   ('outcome_unknown', 'retry_waiting'),
   ('outcome_unknown', 'succeeded'),
   ('pending', 'accepted'),
+  ('pending', 'cancelled'),
   ('pending', 'cancelling'),
   ('pending', 'dispatched'),
   ('pending', 'failed'),
@@ -326,14 +330,31 @@ INSERT INTO custody.instance_transitions (from_status, to_status) VALUES
   ('suspended', 'cancelling'),
   ('suspended', 'running');
 
+-- Besides: an outcome (accepted, succeeded, failed, retry_waiting) comes only from a
+-- validated receipt, so only the receipt consumer's role may write one, and only the
+-- publisher's the confirm mark. "Unknown effects cannot become success through an
+-- operator assertion": not even by a hand-written UPDATE.
 CREATE OR REPLACE FUNCTION custody.guard_operation_status() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-  IF NEW.status IS DISTINCT FROM OLD.status AND NOT EXISTS (
+  IF NEW.status IS NOT DISTINCT FROM OLD.status THEN
+    RETURN NEW;
+  END IF;
+  IF NOT EXISTS (
        SELECT 1 FROM custody.operation_transitions
         WHERE from_status = OLD.status AND to_status = NEW.status) THEN
     RAISE EXCEPTION 'illegal operation transition % -> % (operation %)',
       OLD.status, NEW.status, OLD.id USING ERRCODE = 'CU002';
+  END IF;
+  IF NEW.status IN ('accepted', 'succeeded', 'failed', 'retry_waiting')
+     AND NOT pg_has_role(current_user, 'custody_receipts', 'MEMBER') THEN
+    RAISE EXCEPTION 'only a validated receipt sets % (operation %, attempted by %)',
+      NEW.status, OLD.id, current_user USING ERRCODE = 'CU003';
+  END IF;
+  IF NEW.status = 'dispatched' AND NOT pg_has_role(current_user, 'custody_publisher', 'MEMBER')
+  THEN
+    RAISE EXCEPTION 'only a broker confirm dispatches (operation %, attempted by %)',
+      OLD.id, current_user USING ERRCODE = 'CU003';
   END IF;
   RETURN NEW;
 END $$;
@@ -401,7 +422,8 @@ GRANT UPDATE (late_start_at) ON custody.start_tombstones TO custody_committer;
 GRANT SELECT, INSERT ON custody.attempts TO custody_committer;
 GRANT INSERT ON custody.outbox, custody.history, custody.quarantine, custody.audit
   TO custody_committer;
-GRANT UPDATE (status, claimed_by, claim_expires_at, last_error) ON custody.outbox
+GRANT SELECT (id, kind, status, operation_id, claim_expires_at),
+  UPDATE (status, claimed_by, claim_expires_at, last_error) ON custody.outbox
   TO custody_committer;  -- retiring a cancelled operation's submit
 GRANT SELECT ON custody.successor_intents TO custody_committer;
 GRANT UPDATE (status, done_at, not_before) ON custody.successor_intents TO custody_committer;

@@ -103,15 +103,17 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
     **{(s, E.FAILED_UNKNOWN): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
     (S.CANCELLING, E.FAILED_UNKNOWN): S.CANCELLING,
     (S.CANCELLING, E.CANCELLED): S.CANCELLED,
-    **{(s, E.QUERY_CANCELLED): S.CANCELLED for s in (S.RECONCILE_PENDING, S.CANCELLING)},
+    **{(s, E.QUERY_CANCELLED): S.CANCELLED for s in (*_UNRESOLVED, S.CANCELLING)},
     **{(s, E.REJECTED): S.FAILED for s in _UNRESOLVED},
     (S.CANCELLING, E.REJECTED): S.CANCELLED,
     **{(s, E.CONFLICT): S.OUTCOME_UNKNOWN for s in _UNRESOLVED},
     (S.CANCELLING, E.CONFLICT): S.CANCELLING,
     # A timeout is never permission to create new work: it only suspends.
     **{(s, E.DEADLINE): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
-    # "A restored engine can predate an effect that already committed elsewhere."
-    **{(s, E.RESTORED): S.OUTCOME_UNKNOWN for s in _IN_FLIGHT},
+    # "A restored engine can predate an effect that already committed elsewhere." Sent
+    # work is unknown; a pending operation (never confirmed sent) stays pending: its
+    # submit goes out again under the same identity, which the owner deduplicates.
+    **{(s, E.RESTORED): S.OUTCOME_UNKNOWN for s in (S.DISPATCHED, S.ACCEPTED)},
     (S.OUTCOME_UNKNOWN, E.RECONCILE): S.RECONCILE_PENDING,
     (S.RECONCILE_PENDING, E.QUERY_NONE): S.OUTCOME_UNKNOWN,
     (S.RECONCILE_PENDING, E.QUERY_TIMEOUT): S.OUTCOME_UNKNOWN,

@@ -14,14 +14,16 @@ established by a validated receipt.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from contracts import identity
-from workers import adapter, authz, db, lifecycle
+from workers import adapter, authz, db, errors, lifecycle
 
 POLICY = "policy"
+RETRIES = 3  # redos of a command that lost a deadlock to a worker
 
 
 class Result(enum.Enum):
@@ -57,10 +59,19 @@ class Operator:
         self, actor: str, action: str, target: str, reason: str, inputs: dict[str, Any], body: Any
     ) -> Outcome:
         try:
-            async with self.db.transaction(self.lease) as tx:
-                message, tenant, data = await body(tx)
-                await _audit(tx, actor, action, tenant, target, reason, inputs, "done")
-            return Outcome(Result.DONE, message, data)
+            for attempt in range(RETRIES + 1):
+                try:
+                    async with self.db.transaction(self.lease) as tx:
+                        message, tenant, data = await body(tx)
+                        await _audit(tx, actor, action, tenant, target, reason, inputs, "done")
+                    return Outcome(Result.DONE, message, data)
+                except errors.DatabaseError as exc:
+                    # a deadlock or serialization failure against a worker's unit: the
+                    # whole command is redone (it re-reads everything under its locks)
+                    if exc.kind is not errors.Retry.RETRY or attempt == RETRIES:
+                        raise
+                    await asyncio.sleep(errors.backoff_seconds(attempt, base=0.05))
+            raise AssertionError("unreachable")
         except _Refused as refused:
             if actor != POLICY:
                 async with self.db.transaction() as tx:

@@ -47,7 +47,6 @@ class _Writes:
     unsuspend: list[dict[str, Any]]
     settle: list[dict[str, Any]]
     cancelling: list[dict[str, Any]]
-    held: list[dict[str, Any]]
     latencies: list[float]
     verdicts: list[str]
 
@@ -81,7 +80,7 @@ class ReceiptConsumer:
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Validate and apply a batch in one transaction; returns each delivery's verdict."""
-        w = _Writes([], [], [], [], [], [], [], [], [], [], [], [], [])
+        w = _Writes([], [], [], [], [], [], [], [], [], [], [], [])
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
@@ -134,7 +133,6 @@ class ReceiptConsumer:
             await tx.run_many("node_finish", w.nodes)
             await tx.run_many("successor_insert", w.successors)
             await tx.run_many("instance_suspend", w.suspend)
-            await tx.run_many("instance_suspend_for", w.held)
             await tx.run_many("instance_unsuspend", w.unsuspend)
             for cancelling in w.cancelling:
                 if await tx.run("instance_set_cancelling", cancelling):
@@ -197,21 +195,37 @@ class ReceiptConsumer:
         else:
             receipt = message
         row = rows.get(receipt.operation_id)
-        try:
-            retryable = self._retryable(row, receipt)
-        except process.DefinitionError as exc:
-            return self._definition_missing(d, receipt, row, str(exc), w)
         revision_key = (receipt.operation_id, receipt.attempt, receipt.owner_revision)
-        decision = validation.decide(
-            receipt,
-            user_id=d.user_id,
-            op=op,
-            issued=issued,
-            seen_hash=seen.get(receipt.receipt_id),
-            retryable=retryable,
-            seen_revision_hash=revisions.get(revision_key),
-            answer=answer is not None,
+
+        def decide(retryable: bool) -> validation.Decision:
+            return validation.decide(
+                receipt,
+                user_id=d.user_id,
+                op=op,
+                issued=issued,
+                seen_hash=seen.get(receipt.receipt_id),
+                retryable=retryable,
+                seen_revision_hash=revisions.get(revision_key),
+                answer=answer is not None,
+            )
+
+        # the node's definition is consulted only for a receipt that passed every trust
+        # check, and only where it decides something: a retry, or a successor
+        settling = row is not None and (
+            row["status"] == lifecycle.Status.CANCELLING or row["instance_status"] == "cancelling"
         )
+        decision = decide(False)
+        if (
+            decision.verdict is validation.Verdict.APPLY
+            and receipt.status == "failed"
+            and receipt.effect == "none"
+        ):
+            try:
+                if self._retryable(row, receipt):
+                    decision = decide(True)
+            except process.DefinitionError as exc:
+                if not settling:
+                    return self._definition_missing(d, receipt, row, str(exc), w)
         w.verdicts.append(decision.verdict.value)
         if decision.verdict is validation.Verdict.QUARANTINE:
             w.quarantine.append(_quarantine(d, decision.reason, decision.detail, receipt))
@@ -232,7 +246,11 @@ class ReceiptConsumer:
             # the owner holds it but has not settled it: still no authoritative outcome.
             # Not recorded: the receipt itself, delivered directly, still applies once.
             return self._no_news(op, rows[op.id], w, f"query answered: {receipt.status}")
-        if decision.verdict is validation.Verdict.APPLY and decision.status in lifecycle.TERMINAL:
+        if (
+            decision.verdict is validation.Verdict.APPLY
+            and decision.status in lifecycle.TERMINAL
+            and not settling
+        ):
             try:
                 self._successor(rows[op.id], decision.status)  # the definition is needed
             except process.DefinitionError as exc:
@@ -372,9 +390,11 @@ class ReceiptConsumer:
         w: _Writes,
     ) -> str:
         """The operation's pinned process version is not loaded, so what follows this
-        receipt cannot be decided. Not a poison message and not a crash: the receipt is
-        kept in quarantine with the reason (the owner's journal keeps it too: reconcile
-        asks again once the version is back) and the instance is suspended."""
+        (validated) receipt cannot be decided. Not a poison message and not a crash: the
+        receipt is kept in quarantine with the reason and an alert is raised; the
+        operation is left as it is, so its deadline runs out as usual (outcome_unknown,
+        its instance suspended) and reconcile asks the owner again — whose journal keeps
+        the receipt — once the version is deployed again."""
         assert row is not None
         metrics.ACTIVATION_FAILURES.labels("definition_missing").inc()
         runtime.event(
@@ -385,16 +405,6 @@ class ReceiptConsumer:
             error=error[:300],
         )
         w.quarantine.append(_quarantine(d, "definition_missing", error, receipt))
-        w.held.append({"id": row["instance_id"], "reason": "definition_missing"})
-        w.history.append(
-            {
-                "instance_id": row["instance_id"],
-                "operation_id": row["id"],
-                "event": "instance.suspended",
-                "detail": db.jsonb({"reason": "definition_missing", "error": error}),
-                "actor": ACTOR,
-            }
-        )
         w.verdicts.append("quarantine")
         return "quarantine"
 

@@ -57,6 +57,7 @@ class Restore:
 
             async def body(tx: db.Tx, batch: list[str] = batch) -> tuple[str, None, dict[str, Any]]:
                 self.ops._authorize(actor, "restore", None, reason)
+                batch.clear()  # a redo of this batch starts afresh
                 rows = await tx.rows("restore_candidates", {"done": done, "limit": BATCH})
                 for row in rows:
                     await _query(tx, row, actor, reason)
@@ -101,7 +102,7 @@ class Restore:
 
 async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> None:
     status = lifecycle.Status(row["status"])
-    if status in (lifecycle.Status.PENDING, lifecycle.Status.DISPATCHED, lifecycle.Status.ACCEPTED):
+    if status in (lifecycle.Status.DISPATCHED, lifecycle.Status.ACCEPTED):
         unknown = lifecycle.next_status(status, lifecycle.Event.RESTORED)
         assert unknown is lifecycle.Status.OUTCOME_UNKNOWN
         await tx.run(
@@ -109,14 +110,25 @@ async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> Non
             {"id": row["id"], "expected": status.value, "status": unknown.value},
         )
         await tx.run("instance_suspend", {"id": row["instance_id"]})
+        await tx.run(
+            "history_insert",
+            {
+                "instance_id": row["instance_id"],
+                "operation_id": row["id"],
+                "event": "operation.outcome_unknown",
+                "detail": db.jsonb({"from": status.value, "cause": "restore"}),
+                "actor": actor,
+            },
+        )
         status = unknown
-    if status is lifecycle.Status.OUTCOME_UNKNOWN:
+    if status in (lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING):
+        # a restored reconcile_pending gets a fresh deadline for the new question
         await tx.run("operation_reconcile", {"id": row["id"], "expected": status.value})
-    # reconcile_pending and cancelling stay as they are: only the question is asked again
+    # pending and cancelling stay as they are: only the question is asked
     event = (
-        "operation.queried"
-        if status is lifecycle.Status.CANCELLING
-        else "operation.reconcile_pending"
+        "operation.reconcile_pending"
+        if status in (lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING)
+        else "operation.queried"
     )
     count = await tx.one(
         "queries_issued", {"id": row["id"], "attempt": row["attempt"], "kind": "query"}
@@ -132,7 +144,7 @@ async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> Non
             "event": event,
             "detail": db.jsonb(
                 {
-                    "from": row["status"],
+                    "from": status.value,
                     "cause": "restore",
                     "reason": reason,
                     "query_request_id": rows.request_id,

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from contracts import codec, identity
-from contracts.models import StartRequest
+from contracts.models import CancelRequest, StartRequest
 from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, env_vars
@@ -549,4 +549,52 @@ async def test_an_activation_that_fails_fails_that_instance_and_never_the_commit
 
     await wait_until(quarantined, what="the unstartable start quarantined")
     assert await env.scalar("SELECT count(*) FROM custody.instances") == 2
+    fleet.check_alive()
+
+
+async def test_a_queued_cancel_request_for_a_running_instance_settles_it_under_the_committer_role(
+    env: Env, fleet: InProcessFleet
+) -> None:
+    """The seed: "Cancellation is a request to settle work consistently with the
+    executor's durable state." A ``custody.cancel.v1`` request from the queue, for an
+    instance whose first operation is in flight, goes through the same cancel path as
+    the CLI, under the committer's own database role (which must be allowed every
+    write of that path, the retiring of the submit included): the operation becomes
+    cancelling, its cancel is sent, the committer stays up."""
+    fleet.start_all(participants=())
+    await broker.management(
+        MGMT, "PUT", "/api/users/custody-frontend", {"password": "frontend-dev", "tags": ""}
+    )
+    await broker.management(
+        MGMT,
+        "PUT",
+        f"/api/permissions/{env.vhost}/custody-frontend",
+        {"configure": "^$", "write": "^custody\\.requests$", "read": "^$"},
+    )
+    [start] = await publish_starts(env.settings, [order(1)])
+    await _first_dispatched(env)
+    request = CancelRequest(
+        tenant="acme", start_request_id=start, reason="withdrawn", requested_by="custody-frontend"
+    )
+    frontend = dataclasses.replace(
+        env.settings,
+        amqp_url=env.settings.amqp_url.replace("guest:guest", "custody-frontend:frontend-dev"),
+    )
+    await publish_raw(
+        frontend,
+        broker.EXCHANGE_REQUESTS,
+        broker.CANCEL_KEY,
+        [codec.encode(request)],
+        user_id="custody-frontend",
+    )
+
+    async def cancelling() -> bool:
+        return await env.sql(
+            "SELECT i.status::text, o.status::text FROM custody.instances i"
+            " JOIN custody.operations o ON o.instance_id = i.id"
+        ) == [("cancelling", "cancelling")]
+
+    await wait_until(cancelling, what="the instance and its operation cancelling")
+    sent = await env.scalar("SELECT count(*) FROM custody.outbox WHERE kind = 'cancel'")
+    assert sent == 1
     fleet.check_alive()

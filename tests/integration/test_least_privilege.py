@@ -211,3 +211,41 @@ def test_a_status_change_the_lifecycle_allows_still_goes_through(env: Env) -> No
     with psycopg.connect(env.settings.database_url) as conn:
         row = conn.execute("SELECT status::text FROM custody.operations WHERE id = %s", (oid,))
         assert row.fetchone() == ("dispatched",)
+
+
+ASSERTED = [
+    ("outcome_unknown", "succeeded"),
+    ("reconcile_pending", "succeeded"),
+    ("accepted", "failed"),
+    ("dispatched", "retry_waiting"),
+]
+
+
+@pytest.mark.parametrize(
+    "role", ["custody_committer", "custody_publisher", "custody_reconciler", "custody_operator"]
+)
+@pytest.mark.parametrize(("before", "after"), ASSERTED, ids=[f"{b}->{a}" for b, a in ASSERTED])
+def test_an_outcome_is_never_asserted_by_a_role_that_validates_no_receipt(
+    env: Env, role: str, before: str, after: str
+) -> None:
+    """The seed: "Unknown effects cannot become success through an operator assertion
+    or blind replay." An outcome comes only from a validated receipt: even a change
+    the lifecycle allows (outcome_unknown -> succeeded) is refused by the database
+    unless the receipt consumer's role writes it."""
+    oid = _row(env, "operations", before)
+    with psycopg.connect(db.with_user(env.settings.database_url, role)) as conn:
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute("UPDATE custody.operations SET status = %s WHERE id = %s", (after, oid))
+        assert isinstance(refused.value, psycopg.errors.InsufficientPrivilege) or (
+            refused.value.sqlstate == "CU003"
+        ), refused.value
+    with psycopg.connect(env.settings.database_url) as conn:
+        row = conn.execute("SELECT status::text FROM custody.operations WHERE id = %s", (oid,))
+        assert row.fetchone() == (before,)
+
+
+def test_the_receipt_consumers_role_writes_an_outcome(env: Env) -> None:
+    oid = _row(env, "operations", "accepted")
+    with psycopg.connect(db.with_user(env.settings.database_url, "custody_receipts")) as conn:
+        conn.execute("UPDATE custody.operations SET status = 'succeeded' WHERE id = %s", (oid,))
+        conn.commit()

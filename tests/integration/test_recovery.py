@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from contracts import codec
 from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, order, publish_starts
@@ -335,12 +336,19 @@ async def test_operator_retry_safe_from_retry_waiting_creates_attempt_two(
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["attempt"] == 2
         await until_status(env, "charge", "succeeded")
-        [(input_1, input_2)] = await env.sql(
-            "SELECT (SELECT input FROM custody.operations WHERE id = %s), o.input"
-            " FROM custody.operations o WHERE o.id = %s",
-            (oid, oid),
+        # the submits actually sent, not the operation row read twice: same operation,
+        # input, lineage and target; attempt, request id and digest are new
+        rows = await env.sql(
+            "SELECT body FROM custody.outbox WHERE operation_id = %s AND kind = 'submit'"
+            " ORDER BY created_at, id",
+            (oid,),
         )
-        assert input_1 == input_2
+        first, second = (codec.decode_command(bytes(b)) for (b,) in rows)
+        same = ("tenant", "operation_id", "operation", "input", "lineage", "target")
+        assert [getattr(second, f) for f in same] == [getattr(first, f) for f in same]
+        assert (first.attempt, second.attempt) == (1, 2)
+        assert second.request_id == json.loads(done.stdout)["request_id"] != first.request_id
+        assert second.digest == second.semantic_digest() != first.digest
         assert (
             await env.scalar("SELECT count(*) FROM participant_payments.charges", participant=True)
             == 1

@@ -52,11 +52,14 @@ def outcome(status: Status, event: Event) -> Status | lifecycle.Ignore | None:
 
 
 @pytest.mark.parametrize(("status", "event"), ALL_PAIRS, ids=lambda v: v.value)
-def test_every_transition_the_engine_writes_goes_through_the_table(
+def test_next_status_returns_the_table_entry_or_refuses_the_pair(
     status: Status, event: Event
 ) -> None:
     """next_status returns exactly the table's value, or refuses the pair with
-    IllegalTransition carrying the status and event (an integrity violation)."""
+    IllegalTransition carrying the status and event (an integrity violation). That the
+    engine's writes go through the table is checked on a real run:
+    tests/integration/test_seed_rules.py::
+    test_every_status_change_the_engine_writes_is_a_transition_of_the_table."""
     if (status, event) in TRANSITIONS:
         assert next_status(status, event) is TRANSITIONS[(status, event)]
     else:

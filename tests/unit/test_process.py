@@ -105,9 +105,13 @@ def test_successor_branches_on_the_outcome(node: str, outcome: str, expected: st
 
 
 @pytest.mark.parametrize("outcome", ["cancelled", "outcome_unknown", "accepted", ""])
-def test_only_an_authoritative_outcome_has_a_successor(outcome: str) -> None:
-    """A success that wins the race remains Succeeded, even when cancellation prevents
-    further successors: cancelled (or unresolved) work has no next node."""
+def test_the_definition_names_no_successor_for_a_cancelled_or_unresolved_outcome(
+    outcome: str,
+) -> None:
+    """Definition.successor is refused for any outcome but succeeded and failed:
+    cancelled or unresolved work has no next node in a definition. (That a cancelled
+    instance gets no successors after a success that won the race is checked through
+    the workers in test_cancellation.py.)"""
     definition = process.parse(ORDER, ROUTES)
     with pytest.raises(ValueError, match="no successor"):
         definition.successor("charge", outcome)

@@ -134,8 +134,10 @@ def test_a_routes_file_that_is_not_toml_is_refused(tmp_path: Path) -> None:
         routes.load(path)
 
 
-def test_a_route_is_frozen() -> None:
-    """Instances pin the route they used: a loaded route cannot be changed in place."""
+def test_a_loaded_route_cannot_be_mutated_in_place() -> None:
+    """A loaded ExecutorRoute object is immutable. (That instances pin their route and a
+    changed file redirects nothing is checked through the workers in
+    test_routes_and_topology.py and test_seed_rules.py.)"""
     route = routes.load(DEPLOYED).get("inventory")
     with pytest.raises(ValueError, match="frozen"):
         route.binding = "elsewhere.v1"  # type: ignore[misc]
