@@ -36,7 +36,11 @@ from pamqp import commands as spec
 
 from contracts import codec
 from contracts.models import StartRequest
-from workers import adapter, errors
+from workers import adapter, amqp_frames, errors
+
+# pamqp decodes short strings strictly and aiormq closes the connection on any decode
+# error: a publisher's invalid UTF-8 would take every consumer of a queue down
+amqp_frames.install()
 
 EXCHANGE_COMMANDS: Final = adapter.EXCHANGE_COMMANDS
 EXCHANGE_RECEIPTS: Final = "custody.receipts"
@@ -48,7 +52,9 @@ QUEUE_DEAD: Final = "custody.dead-letters"
 RECEIPTS_KEY: Final = "receipts"
 START_KEY: Final = "start"
 CANCEL_KEY: Final = "cancel"
+UNDECODABLE: Final = "undecodable_properties"
 POLICY_NAME: Final = "custody-queues"
+RECONNECT_INTERVAL_S: Final = 1.0
 POLICY_PATTERN: Final = r"^custody\.(commands\..+|receipts|requests)$"
 
 
@@ -101,6 +107,19 @@ class Delivery:
     routing_key: str
     _message: AbstractIncomingMessage
     settled: bool = False
+    # why its properties could not be decoded (invalid UTF-8 in a short string or a
+    # header name, a timestamp out of range, ...); such a delivery is never handled,
+    # only isolated (``consumer.process`` sends it to the worker's quarantine)
+    undecodable: str | None = None
+
+    def payload(self) -> bytes:
+        """The body, for a handler's decoder: a delivery whose properties could not be
+        decoded raises ``codec.DecodeError("undecodable_properties")`` instead, so every
+        handler isolates it on its existing path (quarantine or refusal, raw body and
+        reason kept, then acked) and never acts on it."""
+        if self.undecodable is not None:
+            raise codec.DecodeError(UNDECODABLE, self.undecodable)
+        return self.body
 
     async def ack(self) -> None:
         """Ack on the channel it came from, once; a closed channel means the broker will
@@ -124,12 +143,24 @@ class Delivery:
             await action
 
 
+def printable(value: str) -> str:
+    """A string Postgres and JSON accept: bytes that were not UTF-8 (kept as lone
+    surrogates by the frame decoder) become ``\\xNN``, U+0000 is dropped."""
+    if not _SURROGATE.search(value):
+        return value.replace("\x00", "")
+    return (
+        value.encode("utf-8", "surrogateescape")
+        .decode("utf-8", "backslashreplace")
+        .replace("\x00", "")
+    )
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
 def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
     """Headers as bounded strings without U+0000, fit for a quarantine row."""
-    return {
-        str(k)[:100].replace("\x00", ""): str(v)[:500].replace("\x00", "")
-        for k, v in list(headers.items())[:32]
-    }
+    return {printable(str(k)[:100]): printable(str(v)[:500]) for k, v in list(headers.items())[:32]}
 
 
 _CHANNEL_ERRORS = (
@@ -146,14 +177,29 @@ _SETTLE_ERRORS = (
 
 
 def _delivery(message: AbstractIncomingMessage) -> Delivery:
+    headers = dict(message.headers or {})
+    mark = headers.pop(amqp_frames.MARK, None)
+    problems = mark.describe() if isinstance(mark, amqp_frames.Undecodable) else None
+    texts = {
+        "message_id": message.message_id,
+        "correlation_id": message.correlation_id,
+        "type": message.type,
+        "routing_key": message.routing_key,
+        "exchange": message.exchange,
+        "consumer_tag": message.consumer_tag,
+    }
+    escaped = [k for k, v in texts.items() if isinstance(v, str) and _SURROGATE.search(v)]
+    if escaped and problems is None:  # a method frame decoded with surrogateescape
+        problems = f"{', '.join(escaped)}: not UTF-8"
     return Delivery(
         body=message.body,
-        message_id=message.message_id,
+        message_id=None if message.message_id is None else printable(message.message_id),
         user_id=message.user_id,
-        headers=dict(message.headers or {}),
+        headers=headers,
         redelivered=bool(message.redelivered),
-        routing_key=message.routing_key or "",
+        routing_key=printable(message.routing_key or ""),
         _message=message,
+        undecodable=problems,
     )
 
 
@@ -198,11 +244,16 @@ class Broker:
             raise errors.ConfigError(
                 "TLS files are configured, but CUSTODY_AMQP_URL is not amqps://"
             )
+        # a lost connection is restored within a second (aio-pika's default is 5 s); the
+        # URL's own ``reconnect_interval`` wins
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.url).query)
+        interval = None if "reconnect_interval" in query else RECONNECT_INTERVAL_S
         try:
             self._conn = await aio_pika.connect_robust(
                 self.url,
                 client_properties={"connection_name": f"custody-{self.name}"},
                 ssl_context=context,
+                reconnect_interval=interval,
             )
         except (aiormq.exceptions.AMQPError, OSError) as exc:
             raise errors.BrokerError(
@@ -311,6 +362,8 @@ class Publisher:
                 return Outcome(item.message_id, False, f"nacked: {exc}")
             except TimeoutError:
                 return Outcome(item.message_id, False, "confirm timeout (outcome unknown)")
+            except (ValueError, TypeError, OverflowError) as exc:  # not encodable: not sent
+                return Outcome(item.message_id, False, f"unencodable: {type(exc).__name__}: {exc}")
             except (
                 aiormq.exceptions.AMQPError,
                 aio_pika.exceptions.ChannelInvalidStateError,
@@ -416,12 +469,11 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
         # the workflow front end: start and cancel requests, nothing else
         "custody-frontend": ("^$", only(EXCHANGE_REQUESTS), "^$"),
     }
+    # a participant publishes receipts and consumes its own command queue, nothing
+    # else: its poison commands are rejected and dead-lettered by the queue's policy
+    # (the broker needs no permission of the participant for that)
     for principal, binding in principals.items():
-        users[principal] = (
-            "^$",
-            only(EXCHANGE_RECEIPTS, EXCHANGE_DEAD),
-            only(command_queue(binding)),
-        )
+        users[principal] = ("^$", only(EXCHANGE_RECEIPTS), only(command_queue(binding)))
     return users
 
 

@@ -176,7 +176,7 @@ class Committer:
         quarantine: list[dict[str, Any]] = []
         for d in deliveries:
             try:
-                message = codec.decode_request(d.body, self.settings.max_message_bytes)
+                message = codec.decode_request(d.payload(), self.settings.max_message_bytes)
             except codec.DecodeError as exc:
                 quarantine.append(_quarantine_row(d, exc.reason, exc.detail))
                 continue

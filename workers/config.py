@@ -52,7 +52,7 @@ class Settings:
     # after this long (the instance stays suspended until then).
     definition_retry_s: float = 30.0
     lease_ttl_s: float = 15.0
-    delivery_limit: int = 5
+    delivery_limit: int = 50  # a backstop: custody dead-letters what fails on its own
     metrics_port: int = 0
     log_format: str = "json"
 

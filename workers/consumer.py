@@ -31,8 +31,17 @@ async def run(
     handle: Handle,
     on_fenced: Callable[[], Awaitable[Any]],
     after_commit: Callable[[], None] = lambda: None,
+    publish_dead_letters: bool = True,
 ) -> None:
-    dead = await amqp.publisher(window=8, timeout_s=settings.confirm_timeout_s, user_id=None)
+    """``publish_dead_letters``: a poison delivery is published to the dead-letter
+    exchange with its reason in headers (engine workers); if False (participants, who
+    have no write permission there) it is rejected, the queue's policy dead-letters it
+    (``x-death`` reason ``rejected``) and the reason is in the log and the metrics."""
+    dead = (
+        await amqp.publisher(window=8, timeout_s=settings.confirm_timeout_s, user_id=None)
+        if publish_dead_letters
+        else None
+    )
     attempt = 0
     while not stop.requested:
         try:
@@ -45,6 +54,9 @@ async def run(
                     if not batch:
                         continue
                     metrics.REDELIVERIES.labels(worker).inc(sum(d.redelivered for d in batch))
+                    metrics.UNDECODABLE.labels(worker).inc(
+                        sum(d.undecodable is not None for d in batch)
+                    )
                     await process(
                         batch,
                         worker=worker,
@@ -81,7 +93,7 @@ async def process(
     stop: runtime.Stop,
     handle: Handle,
     on_fenced: Callable[[], Awaitable[Any]],
-    dead: broker.Publisher,
+    dead: broker.Publisher | None,
 ) -> None:
     """Handle a batch; isolate and dead-letter what cannot be handled at all."""
 
@@ -123,7 +135,7 @@ async def process(
 
 
 async def dead_letter(
-    d: broker.Delivery, *, worker: str, error: BaseException, dead: broker.Publisher
+    d: broker.Delivery, *, worker: str, error: BaseException, dead: broker.Publisher | None
 ) -> None:
     reason = f"{type(error).__name__}: {error}"[:500]
     metrics.DEAD_LETTERED.labels(worker).inc()
@@ -134,7 +146,14 @@ async def dead_letter(
         message_id=d.message_id,
         reason=reason,
     )
-    headers = {str(k): v for k, v in d.headers.items() if not str(k).startswith("x-custody-")}
+    if dead is None:
+        await d.reject()
+        return
+    # strings only: whatever a hostile publisher put in its headers, the dead letter
+    # must be encodable (pamqp cannot encode every value it decodes)
+    headers: dict[str, Any] = {
+        k: v for k, v in broker.safe_headers(d.headers).items() if not k.startswith("x-custody-")
+    }
     headers.update(
         {
             "x-custody-reason": reason,

@@ -86,3 +86,8 @@ ACTIVATION_FAILURES: Final = Counter(
 SUCCESSOR_PENDING: Final = Gauge(
     "custody_successor_intents_pending", "Successor intents not yet committed by a committer"
 )
+UNDECODABLE: Final = Counter(
+    "custody_undecodable_deliveries_total",
+    "Deliveries whose AMQP properties could not be decoded (isolated, never handled)",
+    ["worker"],
+)

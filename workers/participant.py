@@ -174,7 +174,7 @@ class Participant:
             for d in deliveries:
                 try:
                     commands.append(
-                        (d, codec.decode_command(d.body, self.settings.max_message_bytes))
+                        (d, codec.decode_command(d.payload(), self.settings.max_message_bytes))
                     )
                 except codec.DecodeError as exc:
                     refused.append(_refused(d, exc.reason, exc.detail))
@@ -706,6 +706,7 @@ async def serve(
             handle=part.accept,
             on_fenced=nothing,
             after_commit=kick,
+            publish_dead_letters=False,
         )
 
     async def execute() -> None:

@@ -86,7 +86,7 @@ class ReceiptConsumer:
         for i, d in enumerate(deliveries):
             try:
                 decoded.append(
-                    (i, d, codec.decode_receipt(d.body, self.settings.max_message_bytes))
+                    (i, d, codec.decode_receipt(d.payload(), self.settings.max_message_bytes))
                 )
             except codec.DecodeError as exc:
                 w.quarantine.append(_quarantine(d, exc.reason, exc.detail))

@@ -48,6 +48,7 @@ REASONS: tuple[str, ...] = (
     "illegal_transition",
     "restore_generation",
     "definition_missing",
+    "undecodable_properties",
 )
 
 
