@@ -10,6 +10,8 @@
 #   bash scripts/install-lint-tools.sh        # into .venv-tools (CUSTODY_TOOLS_VENV)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/tools-lib.sh
+source scripts/tools-lib.sh
 
 bash scripts/install-test-tools.sh --tools-only
 
@@ -30,16 +32,8 @@ say() { echo "install-lint-tools: $*"; }
 # 1. Python tools ------------------------------------------------------------------
 if [ ! -f "$STAMP" ]; then
   say "creating $TOOLS with ${PINS[*]}"
-  [ -x "$TOOLS/bin/python" ] || "$PY" -m venv "$TOOLS"
-  log=$(mktemp)
-  if ! "$TOOLS/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "${PINS[@]}" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
-    exit 1
-  fi
-  rm -f "$log"
   rm -f "$TOOLS"/.installed-lint-*
-  touch "$STAMP"
+  install_pins "$STAMP" "${PINS[@]}"
 fi
 
 # 2. Compose v2 as a Docker CLI plugin. The pip entry point `docker-compose` always

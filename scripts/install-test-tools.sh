@@ -13,6 +13,8 @@
 #   bash scripts/install-test-tools.sh --tools-only   # skip the system-tools check
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/tools-lib.sh
+source scripts/tools-lib.sh
 
 TOOLS=${CUSTODY_TOOLS_VENV:-.venv-tools}
 PY=${PY:-python3}
@@ -27,16 +29,8 @@ say() { echo "install-test-tools: $*"; }
 # 1. Python tools ------------------------------------------------------------------
 if [ ! -f "$STAMP" ] || [ ! -x "$TOOLS/bin/check-jsonschema" ]; then
   say "creating $TOOLS with ${PINS[*]}"
-  [ -x "$TOOLS/bin/python" ] || "$PY" -m venv "$TOOLS"
-  log=$(mktemp)
-  if ! "$TOOLS/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir "${PINS[@]}" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
-    exit 1
-  fi
-  rm -f "$log"
   rm -f "$TOOLS"/.installed-test-*
-  touch "$STAMP"
+  install_pins "$STAMP" "${PINS[@]}"
 fi
 
 # 2. promtool: only the binary, at $TOOLS/bin/promtool (where the tests run it).

@@ -127,11 +127,16 @@ async def publish_starts(
     orders: Sequence[Mapping[str, Any]],
     tenant: str = "acme",
     process: str = "order-fulfilment",
+    start_request_ids: Sequence[str] | None = None,
 ) -> list[str]:
-    """Publish start requests (broker-confirmed); returns their start request ids."""
+    """Publish start requests (broker-confirmed), under the given start request ids or
+    fresh ones; returns their start request ids."""
     ids, items = [], []
-    for o in orders:
-        item = broker.start_request(tenant=tenant, process=process, input=o, requested_by="test")
+    chosen: Sequence[str | None] = start_request_ids or [None] * len(orders)
+    for o, start_id in zip(orders, chosen, strict=True):
+        item = broker.start_request(
+            tenant=tenant, process=process, input=o, requested_by="test", start_request_id=start_id
+        )
         ids.append(item.message_id)
         items.append(item)
     async with client(settings) as amqp:

@@ -74,13 +74,18 @@ class Outgoing:
 
 
 def start_request(
-    *, tenant: str, process: str, input: Mapping[str, Any], requested_by: str
+    *,
+    tenant: str,
+    process: str,
+    input: Mapping[str, Any],
+    requested_by: str,
+    start_request_id: str | None = None,
 ) -> Outgoing:
-    """A new start request (a fresh start request id, which is also its message_id),
-    ready to publish to the requests exchange."""
+    """A start request (a fresh start request id unless one is given; it is also the
+    message_id), ready to publish to the requests exchange."""
     request = StartRequest(
         tenant=tenant,
-        start_request_id=str(uuid.uuid4()),
+        start_request_id=start_request_id or str(uuid.uuid4()),
         process=process,
         input=dict(input),
         requested_by=requested_by,

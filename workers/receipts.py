@@ -138,25 +138,16 @@ class ReceiptConsumer:
                 if await tx.run("instance_set_cancelling", cancelling):
                     await tx.run(
                         "history_insert",
-                        {
-                            "instance_id": cancelling["id"],
-                            "operation_id": None,
-                            "event": "instance.cancelling",
-                            "detail": db.jsonb({"cause": "the owner cancelled an operation"}),
-                            "actor": ACTOR,
-                        },
+                        _instance_event(
+                            cancelling["id"],
+                            "instance.cancelling",
+                            {"cause": "the owner cancelled an operation"},
+                        ),
                     )
             for settle in w.settle:
                 if await tx.run("instance_settle_cancel", settle):
                     await tx.run(
-                        "history_insert",
-                        {
-                            "instance_id": settle["id"],
-                            "operation_id": None,
-                            "event": "instance.cancelled",
-                            "detail": db.jsonb({}),
-                            "actor": ACTOR,
-                        },
+                        "history_insert", _instance_event(settle["id"], "instance.cancelled", {})
                     )
             await tx.run_many("history_insert", w.history)
         faults.crash_point("receipts_after_commit_before_ack")
@@ -447,6 +438,16 @@ class ReceiptConsumer:
 
 
 _UNKNOWN = frozenset({lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING})
+
+
+def _instance_event(instance_id: Any, event: str, detail: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "instance_id": instance_id,
+        "operation_id": None,
+        "event": event,
+        "detail": db.jsonb(detail),
+        "actor": ACTOR,
+    }
 
 
 def _inner(message: OperationReceipt | QueryAnswer) -> OperationReceipt | None:

@@ -27,6 +27,9 @@ from workers.fleet import Proc
 pytestmark = pytest.mark.acceptance
 
 
+STOP_ENV = "CUSTODY_STOP_POINTS"
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
@@ -39,28 +42,11 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
     transaction; the replica publishes the rows it had claimed; the participant
     deduplicates the command published twice; every effect happens once."""
     crew.start_all(skip=("publisher",))
-    zombie = crew.fleet.start(
-        "publisher", extra_env={"CUSTODY_STOP_POINTS": "after_confirm_before_mark"}
-    )
+    zombie = crew.fleet.start("publisher", extra_env={STOP_ENV: "after_confirm_before_mark"})
     n = 10
     await publish_starts(env.settings, [order(i) for i in range(n)])
 
-    async def frozen() -> bool:
-        return _state(zombie.popen.pid) == "T"
-
-    await wait_until(frozen, timeout=30, what="the publisher to freeze after its confirms")
-    holder = f"%-{zombie.popen.pid}-%"
-
-    async def expired() -> bool:
-        return (
-            await env.scalar(
-                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
-                (holder,),
-            )
-            is True
-        )
-
-    await wait_until(expired, timeout=30, what="the zombie's lease to expire")
+    holder = await _freeze_past_lease(env, zombie, "publisher")
     crew.start("publisher")  # the replica
     await crew.wait(all_finished(env, n), timeout=60, what="the replica to finish the work")
 
@@ -100,8 +86,6 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
 
 
 # -- the fence is the epoch a unit began under (not the one in force at its commit) --
-
-STOP_ENV = "CUSTODY_STOP_POINTS"
 
 
 async def _freeze_past_lease(env: Env, proc: Proc, what: str) -> str:

@@ -302,18 +302,7 @@ async def test_cancelling_a_start_before_its_instance_exists_makes_the_late_star
         "--json",
     )
     assert done.returncode == 0, done.stderr
-    from contracts.models import StartRequest
-
-    late = StartRequest(
-        tenant="acme",
-        start_request_id=start_id,
-        process="order-fulfilment",
-        input=order(1),
-        requested_by="shop",
-    )
-    await publish_raw(
-        env.settings, broker.EXCHANGE_REQUESTS, broker.START_KEY, [codec.encode(late)]
-    )
+    await publish_starts(env.settings, [order(1)], start_request_ids=[start_id])  # late
 
     async def seen() -> bool:
         return (

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from contracts import codec, identity
-from contracts.models import CancelRequest, StartRequest
+from contracts.models import CancelRequest
 from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, env_vars
@@ -232,16 +232,7 @@ async def test_cancel_start_under_another_spelling_of_the_id_is_serialised_with_
         await cli.finished_or_blocked()
 
     faults.set_hook("starts_locked", once_at(1, cancel_now))
-    request = StartRequest(
-        tenant="acme",
-        start_request_id=start_id,
-        process="order-fulfilment",
-        input=order(1),
-        requested_by="shop",
-    )
-    await publish_raw(
-        env.settings, broker.EXCHANGE_REQUESTS, broker.START_KEY, [codec.encode(request)]
-    )
+    await publish_starts(env.settings, [order(1)], start_request_ids=[start_id])
     await wait_until(lambda: _true(cancel), what="the cancel-start raced the start")
     assert await cancel[0].result() == 0, cancel[0].stderr
     said = json.loads(cancel[0].stdout)

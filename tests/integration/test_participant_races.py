@@ -11,7 +11,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -68,33 +68,27 @@ async def _outbox(env: Env) -> list[Any]:
     return [codec.decode_receipt(bytes(r[0])) for r in rows]
 
 
+def _about(cmd: Any, kind: Literal["query", "cancel"]) -> dict[str, Any]:
+    """The fields a query or a cancel shares with the submit it is about."""
+    return {
+        "request_id": identity.request_id(cmd.operation_id, cmd.attempt, kind),
+        "tenant": cmd.tenant,
+        "operation_id": cmd.operation_id,
+        "attempt": cmd.attempt,
+        "operation": cmd.operation,
+        "target": cmd.target,
+        "digest": cmd.digest,
+        "issued_at": datetime.now(UTC),
+        "submit_request_id": cmd.request_id,
+    }
+
+
 def _query(cmd: Any) -> QueryCommand:
-    return QueryCommand(
-        request_id=identity.request_id(cmd.operation_id, cmd.attempt, "query"),
-        tenant=cmd.tenant,
-        operation_id=cmd.operation_id,
-        attempt=cmd.attempt,
-        operation=cmd.operation,
-        target=cmd.target,
-        digest=cmd.digest,
-        issued_at=datetime.now(UTC),
-        submit_request_id=cmd.request_id,
-    )
+    return QueryCommand(**_about(cmd, "query"))
 
 
 def _cancel(cmd: Any) -> CancelCommand:
-    return CancelCommand(
-        request_id=identity.request_id(cmd.operation_id, cmd.attempt, "cancel"),
-        tenant=cmd.tenant,
-        operation_id=cmd.operation_id,
-        attempt=cmd.attempt,
-        operation=cmd.operation,
-        target=cmd.target,
-        digest=cmd.digest,
-        issued_at=datetime.now(UTC),
-        submit_request_id=cmd.request_id,
-        reason="customer cancelled the order",
-    )
+    return CancelCommand(**_about(cmd, "cancel"), reason="customer cancelled the order")
 
 
 # --- defect 5: a repeated query is answered again -------------------------------------

@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
@@ -36,7 +33,7 @@ from participants import samples
 from tests.conftest import DEV_PASSWORD, MGMT, Env, _Args, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, Running, order, publish_raw, publish_starts
-from tests.integration.test_recovery import env_vars
+from tests.integration.test_recovery import custody
 from tests.integration.test_trust_boundary import Op, receipt
 from workers import broker, cli, db, participant, runtime
 from workers.config import ROOT
@@ -50,22 +47,6 @@ async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
     f = InProcessFleet(env)
     yield f
     await f.stop_all()
-
-
-async def custody(env: Env, *args: str, actor: str = "oncall") -> subprocess.CompletedProcess[str]:
-    """The operator CLI as a separate process (the custody_operator role), awaited so the
-    in-process workers keep running while it waits on a row lock one of them holds."""
-    argv = [sys.executable, "-m", "workers.cli", *args]
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, **env_vars(env), "CUSTODY_OPERATOR": actor},
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return subprocess.CompletedProcess(argv, proc.returncode, out.decode(), err.decode())
 
 
 def use_processes(env: Env, tmp_path: Path, **kw: Any) -> None:
