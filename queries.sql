@@ -83,12 +83,6 @@ SELECT s.id, s.instance_id, s.from_operation_id, s.outcome, s.next_node,
 UPDATE successor_intents SET not_before = now() + make_interval(secs => %(delay)s)
  WHERE id = %(id)s AND status = 'pending';
 
--- name: successors_suppress
--- Cancel settles the instance's pending successors: none of them creates work.
-UPDATE successor_intents SET status = 'done', done_at = now()
- WHERE instance_id = %(id)s AND status = 'pending'
-RETURNING id, from_operation_id, next_node;
-
 -- name: instance_suspend_for
 UPDATE instances SET status = 'suspended', suspended_reason = %(reason)s, updated_at = now()
  WHERE id = %(id)s AND status = 'running';
@@ -407,32 +401,6 @@ SELECT id, reason, detail, message_id, received_at FROM refused
  WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
  ORDER BY id DESC LIMIT %(limit)s;
 
--- name: operation_for_update
-SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
-       lineage, attempt, digest, status::text, effect::text, deadline_seconds
-  FROM operations WHERE id = %(id)s
-   FOR UPDATE;
-
--- name: queries_issued
-SELECT count(*) AS n FROM attempts
- WHERE operation_id = %(id)s AND attempt = %(attempt)s AND kind = %(kind)s;
-
--- name: operation_reconcile
-UPDATE operations
-   SET status = 'reconcile_pending', updated_at = now(),
-       deadline_at = now() + make_interval(secs => deadline_seconds)
- WHERE id = %(id)s AND status = %(expected)s;
-
--- name: operation_new_attempt
--- The only way to a new attempt: same operation id and input, attempt n+1, a new
--- command identity, and nothing known yet about it.
-UPDATE operations
-   SET attempt = %(attempt)s, digest = %(digest)s, status = 'pending', effect = 'unknown',
-       owner_revision = 0, receipt_hash = NULL, result = NULL, error = NULL,
-       deadline_at = NULL, retry_at = NULL, updated_at = now()
- WHERE id = %(id)s AND status = 'retry_waiting' AND effect = 'none'
-   AND attempt = %(attempt)s - 1;
-
 -- name: retries_due
 SELECT id FROM operations
  WHERE status = 'retry_waiting' AND retry_at <= now()
@@ -452,24 +420,14 @@ SELECT o.id FROM operations o
  LIMIT %(limit)s
    FOR UPDATE SKIP LOCKED;
 
--- name: audit_insert
-INSERT INTO audit (actor, action, tenant, target, reason, inputs, outcome)
-VALUES (%(actor)s, %(action)s, %(tenant)s, %(target)s, %(reason)s, %(inputs)s, %(outcome)s);
-
 -- name: audit_list
 SELECT id, at, actor, action, tenant, target, reason, outcome FROM audit
  ORDER BY id DESC LIMIT %(limit)s;
-
--- name: control_set_paused
-UPDATE control SET dispatch_paused = %(paused)s, updated_at = now();
 
 -- name: instance_get
 SELECT id::text, tenant, process, process_version, status::text, dispatch_paused, input,
        created_at, finished_at
   FROM instances WHERE id = %(id)s;
-
--- name: instance_set_paused
-UPDATE instances SET dispatch_paused = %(paused)s, updated_at = now() WHERE id = %(id)s;
 
 -- name: instance_operations
 SELECT id, node, activation, operation, route, binding, attempt, status::text, effect::text,
@@ -519,52 +477,9 @@ SELECT tenant, start_request_id::text FROM start_tombstones
 UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
  WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
 
--- name: start_tombstone_insert
-INSERT INTO start_tombstones (tenant, start_request_id, actor, reason)
-VALUES (%(tenant)s, %(start_request_id)s, %(actor)s, %(reason)s)
-ON CONFLICT DO NOTHING;
-
--- name: instance_by_start
-SELECT id::text FROM instances WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
-
--- name: instance_for_update
-SELECT id::text, tenant, status::text FROM instances WHERE id = %(id)s FOR UPDATE;
-
 -- name: instance_set_cancelling
 UPDATE instances SET status = 'cancelling', updated_at = now()
  WHERE id = %(id)s AND status IN ('running', 'suspended');
-
--- name: instance_unresolved
-SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
-       lineage, attempt, digest, status::text, effect::text, deadline_seconds
-  FROM operations
- WHERE instance_id = %(id)s AND status NOT IN ('succeeded', 'failed', 'cancelled')
- ORDER BY id
-   FOR UPDATE;
-
--- name: operation_cancel
-UPDATE operations
-   SET status = %(status)s::custody.operation_status, updated_at = now(),
-       effect = CASE WHEN %(status)s::text = 'cancelled' THEN 'none'::custody.effect ELSE effect END,
-       finished_at = CASE WHEN %(status)s::text = 'cancelled' THEN now() END
- WHERE id = %(id)s AND status = %(expected)s;
-
--- name: submits_retire
--- A submit that must never be sent: its operation is settled or cancelling, or it is
--- for an earlier attempt. Retired (never deleted), each with a history row.
-UPDATE outbox b
-   SET status = 'retired', claimed_by = NULL, claim_expires_at = NULL,
-       last_error = 'retired: operation ' || op.status::text
-  FROM operations op
- WHERE b.status = 'pending' AND b.kind = 'submit' AND op.id = b.operation_id
-   AND (%(operation_id)s::uuid IS NULL OR b.operation_id = %(operation_id)s::uuid)
-   AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
-   AND (op.status IN ('succeeded', 'failed', 'cancelled', 'cancelling')
-        OR b.id <> (SELECT a.request_id FROM attempts a
-                     WHERE a.operation_id = op.id AND a.attempt = op.attempt
-                       AND a.kind = 'submit'))
-RETURNING b.id::text AS request_id, op.id AS operation_id, op.instance_id,
-          op.status::text AS operation_status;
 
 -- name: instance_settle_cancel
 -- A cancelling instance is cancelled once every operation has authoritative evidence.
@@ -608,27 +523,6 @@ UPDATE inbox SET status = 'cancelled', effect = 'none', owner_revision = %(owner
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- Restore runbook and retention ---------------------------------------------------
-
--- name: control_mark_restored
-UPDATE control SET dispatch_paused = true, restore_generation = restore_generation + 1,
-                   updated_at = now()
-RETURNING restore_generation;
-
--- name: restore_candidates
--- Every operation of the restored state whose outcome is not authoritative (cancelling
--- included: its cancel's answer may be in the lost future), not already asked.
--- retry_waiting is authoritative (effect none, from a validated receipt).
-SELECT id, tenant, instance_id, node, operation, route, owner, principal, binding, input,
-       lineage, attempt, digest, status::text, effect::text, deadline_seconds
-  FROM operations
- WHERE status NOT IN ('succeeded', 'failed', 'cancelled', 'retry_waiting')
-   AND NOT (id = ANY(%(done)s))
- ORDER BY id
- LIMIT %(limit)s
-   FOR UPDATE SKIP LOCKED;
-
--- name: operations_count_by_status
-SELECT count(*) AS n FROM operations WHERE status::text = ANY(%(statuses)s);
 
 -- name: attempts_known
 SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
@@ -674,3 +568,68 @@ DELETE FROM inbox WHERE request_id IN (SELECT request_id FROM old);
 DELETE FROM outbox WHERE ctid IN (
   SELECT ctid FROM outbox WHERE status = 'published'
      AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
+
+-- Controlled commands (transitions.sql) -------------------------------------------------
+-- op_*: an operator's login; the database takes the actor from session_user.
+-- t_*: a worker's policy or engine-channel request, with its own actor.
+
+-- name: op_reconcile
+SELECT custody.reconcile(%(target)s, %(reason)s) AS outcome;
+
+-- name: t_reconcile
+SELECT custody.t_reconcile(%(actor)s, %(target)s, %(reason)s) AS outcome;
+
+-- name: op_retry_safe
+SELECT custody.retry_safe(%(target)s, %(reason)s) AS outcome;
+
+-- name: t_retry_safe
+SELECT custody.t_retry_safe(%(actor)s, %(target)s, %(reason)s) AS outcome;
+
+-- name: op_set_paused
+SELECT custody.set_paused(%(paused)s, %(reason)s, %(instance)s) AS outcome;
+
+-- name: t_set_paused
+SELECT custody.t_set_paused(%(actor)s, %(paused)s, %(reason)s, %(instance)s) AS outcome;
+
+-- name: op_cancel
+SELECT custody.cancel(%(target)s, %(reason)s) AS outcome;
+
+-- name: t_cancel
+SELECT custody.t_cancel(%(actor)s, %(target)s, %(reason)s) AS outcome;
+
+-- name: op_cancel_start
+SELECT custody.cancel_start(%(tenant)s, %(target)s, %(reason)s) AS outcome;
+
+-- name: t_cancel_start
+SELECT custody.t_cancel_start(%(actor)s, %(tenant)s, %(target)s, %(reason)s) AS outcome;
+
+-- name: op_restore_mark
+SELECT custody.restore_mark(%(reason)s) AS outcome;
+
+-- name: t_restore_mark
+SELECT custody.t_restore_mark(%(actor)s, %(reason)s) AS outcome;
+
+-- name: op_restore_reconcile
+SELECT custody.restore_reconcile(%(reason)s, %(done)s::uuid[], %(limit)s) AS outcome;
+
+-- name: t_restore_reconcile
+SELECT custody.t_restore_reconcile(%(actor)s, %(reason)s, %(done)s::uuid[], %(limit)s) AS outcome;
+
+-- name: op_restore_resume
+SELECT custody.restore_resume(%(reason)s, %(force)s) AS outcome;
+
+-- name: t_restore_resume
+SELECT custody.t_restore_resume(%(actor)s, %(reason)s, %(force)s) AS outcome;
+
+-- name: t_retire_submits
+SELECT custody.t_retire_submits(%(actor)s, %(operation_id)s::uuid) AS n;
+
+-- name: operators_sync
+-- deploy/operators.toml into the database (custody migrate, custody operators apply)
+INSERT INTO custody.operators (name, actions, tenants, updated_at)
+VALUES (%(name)s, %(actions)s, %(tenants)s, now())
+ON CONFLICT (name) DO UPDATE
+   SET actions = EXCLUDED.actions, tenants = EXCLUDED.tenants, updated_at = now();
+
+-- name: operators_prune
+DELETE FROM custody.operators WHERE NOT (name = ANY(%(names)s));

@@ -377,15 +377,15 @@ CREATE TRIGGER instance_status_guard BEFORE UPDATE OF status ON custody.instance
   FOR EACH ROW EXECUTE FUNCTION custody.guard_instance_status();
 
 -- Least privilege ------------------------------------------------------------------
--- One role per worker type, granted only what its commit boundary needs, plus the
--- operator CLI's role. Nobody but the owner may update or delete audit rows.
+-- One role per worker type, granted only what its commit boundary needs (operators:
+-- transitions.sql). Nobody but the owner may update or delete audit rows.
 -- Passwords (or certificates) are the deployment's business; roles are LOGIN so that
 -- a deployment can authenticate them however its pg_hba says.
 DO $$
 DECLARE r text;
 BEGIN
   FOREACH r IN ARRAY ARRAY['custody_committer', 'custody_publisher', 'custody_receipts',
-                           'custody_reconciler', 'custody_operator'] LOOP
+                           'custody_reconciler'] LOOP
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN
       EXECUTE format('CREATE ROLE %I LOGIN', r);
     END IF;
@@ -394,14 +394,13 @@ END $$;
 
 REVOKE ALL ON ALL TABLES IN SCHEMA custody FROM PUBLIC;
 GRANT USAGE ON SCHEMA custody TO custody_committer, custody_publisher, custody_receipts,
-  custody_reconciler, custody_operator;
+  custody_reconciler;
 GRANT SELECT, INSERT, UPDATE, DELETE ON custody.leases TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
 GRANT SELECT ON custody.control, custody.operation_transitions, custody.instance_transitions
-  TO custody_committer, custody_publisher, custody_receipts, custody_reconciler,
-  custody_operator;
+  TO custody_committer, custody_publisher, custody_receipts, custody_reconciler;
 
 -- The committer, the publisher and the receipt consumer may update only the columns
 -- their commit boundary writes (a table-level UPDATE from an earlier release is revoked
@@ -410,21 +409,18 @@ REVOKE UPDATE ON custody.instances, custody.node_states, custody.operations,
   custody.start_tombstones, custody.successor_intents, custody.outbox
   FROM custody_committer, custody_publisher, custody_receipts;
 
--- transition committer: starts, successors, and authorized cancel requests
+-- transition committer: starts and successors (an authorized cancel request goes through
+-- custody.t_cancel_start, transitions.sql)
 GRANT SELECT, INSERT ON custody.instances, custody.node_states, custody.operations,
   custody.start_tombstones TO custody_committer;
 GRANT UPDATE (status, suspended_reason, updated_at, finished_at) ON custody.instances
   TO custody_committer;
 GRANT UPDATE (status, updated_at) ON custody.node_states TO custody_committer;
-GRANT UPDATE (status, effect, updated_at, finished_at) ON custody.operations
-  TO custody_committer;  -- the cancel transition only
 GRANT UPDATE (late_start_at) ON custody.start_tombstones TO custody_committer;
 GRANT SELECT, INSERT ON custody.attempts TO custody_committer;
 GRANT INSERT ON custody.outbox, custody.history, custody.quarantine, custody.audit
   TO custody_committer;
-GRANT SELECT (id, kind, status, operation_id, claim_expires_at),
-  UPDATE (status, claimed_by, claim_expires_at, last_error) ON custody.outbox
-  TO custody_committer;  -- retiring a cancelled operation's submit
+REVOKE SELECT ON custody.outbox FROM custody_committer;  -- earlier releases
 GRANT SELECT ON custody.successor_intents TO custody_committer;
 GRANT UPDATE (status, done_at, not_before) ON custody.successor_intents TO custody_committer;
 
@@ -450,24 +446,19 @@ GRANT SELECT, INSERT ON custody.receipt_inbox TO custody_receipts;
 GRANT SELECT, INSERT ON custody.successor_intents TO custody_receipts;
 GRANT INSERT ON custody.quarantine, custody.history TO custody_receipts;
 
--- reconciler: deadlines, query timeouts, retry and reconcile policies, retention
+-- reconciler: deadlines, query timeouts, retention (its retry and reconcile policies go
+-- through custody.t_retry_safe and custody.t_reconcile, transitions.sql)
 GRANT SELECT, UPDATE ON custody.operations, custody.instances, custody.node_states
   TO custody_reconciler;
-GRANT SELECT, INSERT ON custody.attempts TO custody_reconciler;
-GRANT SELECT, INSERT, DELETE ON custody.outbox TO custody_reconciler;
+REVOKE INSERT ON custody.attempts, custody.outbox FROM custody_reconciler;  -- earlier releases
+GRANT SELECT ON custody.attempts TO custody_reconciler;
+GRANT SELECT, DELETE ON custody.outbox TO custody_reconciler;  -- retention
 GRANT SELECT, DELETE ON custody.receipt_inbox, custody.quarantine TO custody_reconciler;
 GRANT SELECT ON custody.successor_intents TO custody_reconciler;
 GRANT INSERT ON custody.history TO custody_reconciler;
 
--- operator CLI: reads everything; its commands go through the same transitions
-GRANT SELECT ON ALL TABLES IN SCHEMA custody TO custody_operator;
-GRANT UPDATE ON custody.operations, custody.instances, custody.node_states, custody.control
-  TO custody_operator;
-GRANT INSERT ON custody.attempts, custody.outbox, custody.history, custody.audit,
-  custody.start_tombstones TO custody_operator;
-GRANT DELETE ON custody.receipt_inbox, custody.outbox, custody.quarantine TO custody_operator;
--- cancel suppresses pending successors and retires the submits it makes undeliverable
-GRANT UPDATE ON custody.successor_intents, custody.outbox TO custody_operator;
+-- operators: their own login roles, members of custody_operators; they read (row-level
+-- security) and run the controlled commands of transitions.sql, and write nothing.
 
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_committer, custody_publisher,
-  custody_receipts, custody_reconciler, custody_operator;
+  custody_receipts, custody_reconciler;

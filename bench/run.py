@@ -900,6 +900,8 @@ CODE_PATHS = (
     "bench",
     ":(exclude)bench/results",
     "schema.sql",
+    "commands.sql",
+    "transitions.sql",
     "participant_schema.sql",
     "queries.sql",
     "deploy",

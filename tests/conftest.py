@@ -69,6 +69,14 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
         Settings(), database_url=_url(engine_tpl), participant_database_url=_url(part_tpl)
     )
     asyncio.run(cli.cmd_migrate(settings, _Args(participants=True)))
+    # each operator its own login role; "mallory" can log in and is no operator
+    asyncio.run(cli.sync_operators(settings, settings.operators_file, create_logins=True))
+    _admin(
+        sql.SQL(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mallory') "
+            "THEN CREATE ROLE mallory LOGIN; END IF; END $$"
+        )
+    )
     yield engine_tpl, part_tpl
     for name in (engine_tpl, part_tpl):
         _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

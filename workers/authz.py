@@ -1,4 +1,9 @@
-"""Operator authorization (``deploy/operators.toml``): who may do what, per tenant. Pure."""
+"""Operator authorization (``deploy/operators.toml``): who may do what, per tenant.
+
+Parsed and checked here (pure); enforced in the database, which holds a copy
+(``custody.operators``, synced by ``custody migrate`` / ``custody operators apply``):
+``custody.refusal`` in ``transitions.sql`` decides every command, and row-level
+security limits what each operator's login reads to its tenants."""
 
 from __future__ import annotations
 
@@ -13,8 +18,7 @@ from workers.errors import ConfigError
 ACTIONS: Final = frozenset(
     {"reconcile", "retry-safe", "pause", "resume", "cancel", "cancel-start", "restore"}
 )
-ALL_TENANTS: Final = "*"
-MIN_REASON: Final = 8
+ALL_TENANTS: Final = "*"  # and the only scope that may act globally
 
 
 @dataclass(frozen=True)
@@ -26,23 +30,6 @@ class Grant:
 @dataclass(frozen=True)
 class Roles:
     operators: Mapping[str, Grant]
-
-    def refusal(self, actor: str, action: str, tenant: str | None, reason: str) -> str | None:
-        """Why ``actor`` may not do ``action`` on ``tenant`` (None: global), or None."""
-        if len(reason.strip()) < MIN_REASON:
-            return f"a reason of at least {MIN_REASON} characters is required"
-        grant = self.operators.get(actor)
-        if grant is None:
-            return f"{actor!r} is not an operator"
-        if action not in grant.actions:
-            return f"{actor!r} may not {action}"
-        if ALL_TENANTS in grant.tenants:
-            return None
-        if tenant is None:
-            return f"{actor!r} may not {action} for every tenant"
-        if tenant not in grant.tenants:
-            return f"{actor!r} may not {action} for tenant {tenant!r}"
-        return None
 
 
 def parse(data: Mapping[str, object]) -> Roles:

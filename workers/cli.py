@@ -43,7 +43,11 @@ def _print(data: Any, as_json: bool) -> None:
 async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     await db.ensure_database(settings.database_url)
     await db.apply_script(settings.database_url, db.SQL_DIR / "schema.sql")
+    await db.apply_script(settings.database_url, db.SQL_DIR / "commands.sql")
+    await db.apply_script(settings.database_url, db.SQL_DIR / "transitions.sql")
     print("engine schema applied")
+    if await asyncio.to_thread(Path(settings.operators_file).exists):
+        await sync_operators(settings, settings.operators_file, create_logins=False)
     if args.participants:
         await db.ensure_database(settings.participant_database_url)
         table, _ = engine.load_config(settings)
@@ -89,6 +93,35 @@ async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
         f"(dead-letter-exchange {broker.EXCHANGE_DEAD}, delivery-limit {settings.delivery_limit})"
     )
     return EXIT_OK
+
+
+async def sync_operators(settings: Settings, path: str, *, create_logins: bool) -> int:
+    """deploy/operators.toml into the engine database (who may do what, per tenant)."""
+    from workers import authz
+
+    roles = authz.load(Path(path))
+    found = await db.sync_operators(
+        settings.database_url,
+        {name: (sorted(g.actions), sorted(g.tenants)) for name, g in roles.operators.items()},
+        create_logins=create_logins,
+    )
+    print(
+        f"operators: {len(roles.operators)} from {path}; logins in custody_operators: "
+        f"{', '.join(found.members) or 'none'}"
+        + (f"; created {', '.join(found.created)}" if found.created else "")
+        + (
+            f"; no login role (broker-only): {', '.join(found.without_login)}"
+            if found.without_login
+            else ""
+        )
+    )
+    return EXIT_OK
+
+
+async def cmd_operators_apply(settings: Settings, args: argparse.Namespace) -> int:
+    return await sync_operators(
+        settings, args.file or settings.operators_file, create_logins=args.create_logins
+    )
 
 
 async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
@@ -268,19 +301,20 @@ async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _actor(args: argparse.Namespace) -> str:
-    actor = args.actor or os.environ.get("CUSTODY_OPERATOR", "")
-    if not actor:
-        raise errors.ConfigError("say who you are: --as NAME or CUSTODY_OPERATOR")
-    return str(actor)
-
-
 async def _operator_command(settings: Settings, args: argparse.Namespace, call: Any) -> int:
-    from workers import authz, operator
+    """Run a controlled command as the login of ``CUSTODY_DATABASE_URL``: the database
+    takes the actor from that authenticated role (``session_user``), never from input."""
+    from workers import operator
 
-    roles = authz.load(Path(settings.operators_file))
+    if getattr(args, "actor", None) or os.environ.get("CUSTODY_OPERATOR"):
+        print(
+            "custody: --as and CUSTODY_OPERATOR are gone: you act as the Postgres login "
+            "of CUSTODY_DATABASE_URL (your own operator role), and only as that",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     async with db.connected(settings.database_url, schema="custody") as database:
-        outcome = await call(operator.Operator(database, roles))
+        outcome = await call(operator.Operator(database))
     codes = {
         operator.Result.DONE: EXIT_OK,
         operator.Result.REFUSED: EXIT_REFUSED,
@@ -295,40 +329,35 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
 
 
 async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
-    actor = _actor(args)
     return await _operator_command(
-        settings, args, lambda op: op.reconcile(actor, args.operation_id, args.reason)
+        settings, args, lambda op: op.reconcile(None, args.operation_id, args.reason)
     )
 
 
 async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
-    actor = _actor(args)
     return await _operator_command(
-        settings, args, lambda op: op.retry_safe(actor, args.operation_id, args.reason)
+        settings, args, lambda op: op.retry_safe(None, args.operation_id, args.reason)
     )
 
 
 async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
-    actor = _actor(args)
     return await _operator_command(
-        settings, args, lambda op: op.cancel_instance(actor, args.instance_id, args.reason)
+        settings, args, lambda op: op.cancel_instance(None, args.instance_id, args.reason)
     )
 
 
 async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
-    actor = _actor(args)
     return await _operator_command(
         settings,
         args,
-        lambda op: op.cancel_start(actor, args.tenant, args.start_request_id, args.reason),
+        lambda op: op.cancel_start(None, args.tenant, args.start_request_id, args.reason),
     )
 
 
 async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
-    actor = _actor(args)
     paused = args.dispatch_command == "pause"
     return await _operator_command(
-        settings, args, lambda op: op.set_paused(actor, paused, args.reason, args.instance)
+        settings, args, lambda op: op.set_paused(None, paused, args.reason, args.instance)
     )
 
 
@@ -408,15 +437,14 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
                 await d.close()
         _print(result, True)
         return EXIT_OK
-    actor = _actor(args)
 
     async def call(op: operator.Operator) -> operator.Outcome:
         runbook = restore.Restore(op)
         if step == "mark-restored":
-            return await runbook.mark_restored(actor, args.reason)
+            return await runbook.mark_restored(None, args.reason)
         if step == "reconcile":
-            return await runbook.reconcile(actor, args.reason)
-        return await runbook.resume(actor, args.reason, args.force)
+            return await runbook.reconcile(None, args.reason)
+        return await runbook.resume(None, args.reason, args.force)
 
     return await _operator_command(settings, args, call)
 
@@ -500,6 +528,22 @@ def parser() -> argparse.ArgumentParser:
     du.add_argument("--password", default="custody-dev")
     du.set_defaults(fn=cmd_dev_users)
 
+    ops = sub.add_parser("operators", help="operator logins and grants").add_subparsers(
+        dest="o", required=True
+    )
+    oa = ops.add_parser(
+        "apply",
+        help="make the database's operator grants say what the operators file says, and "
+        "each operator's own login role a member of custody_operators (as the migrator)",
+    )
+    oa.add_argument("--file", help="default: CUSTODY_OPERATORS_FILE")
+    oa.add_argument(
+        "--create-logins",
+        action="store_true",
+        help="create a missing login role per operator (development and tests only)",
+    )
+    oa.set_defaults(fn=cmd_operators_apply)
+
     r = sub.add_parser("run", help="run one worker until SIGTERM")
     r.add_argument(
         "worker", choices=["committer", "publisher", "receipts", "reconciler", "participant"]
@@ -552,9 +596,8 @@ def parser() -> argparse.ArgumentParser:
 
     def operator_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--reason", required=True, help="why (audited)")
-        p.add_argument(
-            "--as", dest="actor", help="who you are, as in deploy/operators.toml (CUSTODY_OPERATOR)"
-        )
+        # gone: the actor is the database login; kept only to say so
+        p.add_argument("--as", dest="actor", help=argparse.SUPPRESS)
         p.add_argument("--json", action="store_true")
 
     rc = sub.add_parser(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -22,7 +21,6 @@ from contracts import codec, digest, identity
 from contracts.models import CancelRequest, ExecutorRoute, Lineage, StartRequest
 from workers import (
     adapter,
-    authz,
     broker,
     consumer,
     db,
@@ -159,9 +157,8 @@ class Committer:
         lease: db.Lease,
         table: routes.Routes,
         catalog: process.Catalog,
-        roles: authz.Roles | None = None,
     ) -> None:
-        self.operators = operator.Operator(database, roles, lease)
+        self.operators = operator.Operator(database, lease)
         self.settings = settings
         self.db = database
         self.lease = lease
@@ -384,7 +381,7 @@ class Committer:
                         _history(iid, "instance.resumed", {"cause": "definition loaded"})
                     )
                     status = "running"
-                if status != "running":
+                if status != "running" and not faults.broken("skip_instance_recheck"):
                     history.append(
                         _history(iid, "successor.suppressed", {"instance_status": status})
                     )
@@ -521,8 +518,7 @@ def _quarantine_row(
 
 async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
     async with engine.context(settings, ACTOR, health) as ctx:
-        roles = authz.load(Path(settings.operators_file))
-        committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog, roles)
+        committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog)
         waker = runtime.Waker(settings.poll_interval_s)
 
         async def starts() -> None:

@@ -293,16 +293,85 @@ async def grant_schema(url: str, schema: str, role: str) -> None:
                 "GRANT USAGE ON ALL SEQUENCES IN SCHEMA {s} TO {r}",
             ):
                 await conn.execute(sql.SQL(statement).format(s=ident_schema, r=ident_role))
-            cur = await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'custody_operator'")
+            cur = await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'custody_operators'")
             if await cur.fetchone() is not None:
-                # the operator CLI reads journals for `custody restore report`
+                # operators read journals for `custody restore report`, and write nothing
                 for statement in (
-                    "GRANT USAGE ON SCHEMA {s} TO custody_operator",
-                    "GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO custody_operator",
+                    "GRANT USAGE ON SCHEMA {s} TO custody_operators",
+                    "GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO custody_operators",
                 ):
                     await conn.execute(sql.SQL(statement).format(s=ident_schema))
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc
+
+
+@dataclass(frozen=True)
+class OperatorLogins:
+    """What ``sync_operators`` found: operators with a login (members of
+    custody_operators), logins it created, and operators with no login role (broker-only
+    principals such as the front end's broker user, or a login the DBA has yet to make)."""
+
+    members: list[str]
+    created: list[str]
+    without_login: list[str]
+
+
+# never operators, whatever a file says: the workers' and the definer's roles
+_RESERVED_ROLES = frozenset(
+    {
+        "custody_committer",
+        "custody_publisher",
+        "custody_receipts",
+        "custody_reconciler",
+        "custody_definer",
+        "custody_operators",
+        "policy",
+    }
+)
+
+
+async def sync_operators(
+    url: str, operators: Mapping[str, tuple[Sequence[str], Sequence[str]]], *, create_logins: bool
+) -> OperatorLogins:
+    """Make ``custody.operators`` say what ``operators`` (name -> actions, tenants) says,
+    and make each operator's own login role a member of custody_operators. Creating
+    login roles (``create_logins``) is for development and tests; a deployment's DBA
+    creates them, with its own authentication."""
+    reserved = sorted(set(operators) & _RESERVED_ROLES)
+    if reserved:
+        raise errors.ConfigError(f"operators file: {reserved} are custody's own roles")
+    members: list[str] = []
+    created: list[str] = []
+    without: list[str] = []
+    try:
+        async with (
+            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn,
+            conn.transaction(),
+        ):
+            for name, (actions, tenants) in sorted(operators.items()):
+                await conn.execute(
+                    _q("operators_sync"),
+                    {"name": name, "actions": list(actions), "tenants": list(tenants)},
+                )
+            await conn.execute(_q("operators_prune"), {"names": sorted(operators)})
+            for name in sorted(operators):
+                cur = await conn.execute(
+                    "SELECT rolcanlogin FROM pg_roles WHERE rolname = %s", (name,)
+                )
+                found = await cur.fetchone()
+                if found is None and create_logins:
+                    await conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+                    created.append(name)
+                elif found is None or not found[0]:
+                    without.append(name)
+                    continue
+                await conn.execute(
+                    sql.SQL("GRANT custody_operators TO {}").format(sql.Identifier(name))
+                )
+                members.append(name)
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+    return OperatorLogins(members, created, without)
 
 
 def with_user(url: str, user: str) -> str:

@@ -169,6 +169,8 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
         await cli.cmd_migrate(demo, argparse.Namespace(participants=True))
         await cli.cmd_topology(demo, argparse.Namespace())
         await cli.cmd_dev_users(demo, argparse.Namespace(password=DEV_PASSWORD))
+        # each operator of deploy/operators.toml gets its own login (dev: trust auth)
+        await cli.sync_operators(demo, demo.operators_file, create_logins=True)
     env = {
         "CUSTODY_DATABASE_URL": engine_url,
         "CUSTODY_PARTICIPANT_DATABASE_URL": part_url,

@@ -50,6 +50,7 @@ _RETRYABLE_SQLSTATES = frozenset(
         "40001",  # serialization_failure
         "40P01",  # deadlock_detected
         "55P03",  # lock_not_available
+        "CU004",  # a row changed under its lock (transitions.sql): redo, re-reading all
         "57014",  # query_canceled (statement timeout)
         "25P03",  # idle_in_transaction_session_timeout
         "53300",  # too_many_connections

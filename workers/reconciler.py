@@ -23,7 +23,7 @@ class Reconciler:
         self.settings = settings
         self.db = database
         self.lease = lease
-        self.policy = operator.Operator(database, None, lease)
+        self.policy = operator.Operator(database, lease)
 
     async def sweep_queries(self) -> int:
         """Reconcile queries left unanswered past the deadline go back to

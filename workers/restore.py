@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import adapter, db, lifecycle, operator
-from workers.operator import Outcome, Result, _Refused
+from workers import db, operator
+from workers.operator import Outcome, Result
 
 BATCH = 200
 # after `restore reconcile`, what still waits for an answer from its pinned executor
@@ -31,128 +31,37 @@ UNANSWERED = ("reconcile_pending", "cancelling")
 
 
 class Restore:
+    """The runbook's steps, each a controlled command in the database
+    (``transitions.sql``: ``restore_mark``, ``restore_reconcile``, ``restore_resume``)."""
+
     def __init__(self, ops: operator.Operator) -> None:
         self.ops = ops
 
-    async def mark_restored(self, actor: str, reason: str) -> Outcome:
-        async def body(tx: db.Tx) -> tuple[str, None, dict[str, Any]]:
-            self.ops._authorize(actor, "restore", None, reason)
-            row = await tx.one("control_mark_restored")
-            assert row is not None
-            generation = int(row["restore_generation"])
-            return (
-                f"dispatch paused; restore generation is now {generation}",
-                None,
-                {"dispatch_paused": True, "restore_generation": generation},
-            )
+    async def mark_restored(self, actor: str | None, reason: str) -> Outcome:
+        return await self.ops.call("restore_mark", actor, {"reason": reason})
 
-        return await self.ops._run(actor, "restore", "mark-restored", reason, {}, body)
-
-    async def reconcile(self, actor: str, reason: str) -> Outcome:
+    async def reconcile(self, actor: str | None, reason: str) -> Outcome:
         """Query the pinned executor of every unsettled operation, in batches."""
         done: list[str] = []
-        total = 0
         while True:
-            batch: list[str] = []
-
-            async def body(tx: db.Tx, batch: list[str] = batch) -> tuple[str, None, dict[str, Any]]:
-                self.ops._authorize(actor, "restore", None, reason)
-                batch.clear()  # a redo of this batch starts afresh
-                rows = await tx.rows("restore_candidates", {"done": done, "limit": BATCH})
-                for row in rows:
-                    await _query(tx, row, actor, reason)
-                    batch.append(str(row["id"]))
-                return (f"{len(rows)} operation(s) queried", None, {"queried": len(rows)})
-
-            outcome = await self.ops._run(actor, "restore", "reconcile", reason, {}, body)
+            outcome = await self.ops.call(
+                "restore_reconcile", actor, {"reason": reason, "done": done, "limit": BATCH}
+            )
             if outcome.result is not Result.DONE:
                 return outcome
+            batch = [str(i) for i in outcome.data.get("ids", [])]
             done.extend(batch)
-            total += len(batch)
             if len(batch) < BATCH:
                 break
         return Outcome(
             Result.DONE,
-            f"{total} unsettled operation(s) queried at their pinned "
+            f"{len(done)} unsettled operation(s) queried at their pinned "
             "executors; answers are applied by the receipt consumer",
-            {"queried": total},
+            {"queried": len(done)},
         )
 
-    async def resume(self, actor: str, reason: str, force: bool) -> Outcome:
-        async def body(tx: db.Tx) -> tuple[str, None, dict[str, Any]]:
-            self.ops._authorize(actor, "resume", None, reason)
-            waiting = await tx.one("operations_count_by_status", {"statuses": list(UNANSWERED)})
-            pending = int(waiting["n"]) if waiting else 0
-            if pending and not force:
-                raise _Refused(
-                    Result.REFUSED,
-                    f"{pending} operation(s) still wait for their executor's answer "
-                    "(reconcile_pending or cancelling); wait, or --force",
-                )
-            await tx.run("control_set_paused", {"paused": False})
-            return (
-                "effect dispatch resumed in the database; restart publishers without "
-                "CUSTODY_DISPATCH_PAUSED",
-                None,
-                {"dispatch_paused": False, "unanswered": pending},
-            )
-
-        return await self.ops._run(actor, "resume", "restore", reason, {"force": force}, body)
-
-
-async def _query(tx: db.Tx, row: dict[str, Any], actor: str, reason: str) -> None:
-    status = lifecycle.Status(row["status"])
-    if status in (lifecycle.Status.DISPATCHED, lifecycle.Status.ACCEPTED):
-        unknown = lifecycle.next_status(status, lifecycle.Event.RESTORED)
-        assert unknown is lifecycle.Status.OUTCOME_UNKNOWN
-        await tx.run(
-            "operation_set_status",
-            {"id": row["id"], "expected": status.value, "status": unknown.value},
-        )
-        await tx.run("instance_suspend", {"id": row["instance_id"]})
-        await tx.run(
-            "history_insert",
-            {
-                "instance_id": row["instance_id"],
-                "operation_id": row["id"],
-                "event": "operation.outcome_unknown",
-                "detail": db.jsonb({"from": status.value, "cause": "restore"}),
-                "actor": actor,
-            },
-        )
-        status = unknown
-    if status in (lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING):
-        # a restored reconcile_pending gets a fresh deadline for the new question
-        await tx.run("operation_reconcile", {"id": row["id"], "expected": status.value})
-    # pending and cancelling stay as they are: only the question is asked
-    event = (
-        "operation.reconcile_pending"
-        if status in (lifecycle.Status.OUTCOME_UNKNOWN, lifecycle.Status.RECONCILE_PENDING)
-        else "operation.queried"
-    )
-    count = await tx.one(
-        "queries_issued", {"id": row["id"], "attempt": row["attempt"], "kind": "query"}
-    )
-    rows = adapter.query(adapter.Pinned.from_row(row), sequence=int(count["n"]) + 1 if count else 1)
-    await tx.run("attempt_insert", rows.attempt_row)
-    await tx.run("outbox_insert", rows.outbox_row)
-    await tx.run(
-        "history_insert",
-        {
-            "instance_id": row["instance_id"],
-            "operation_id": row["id"],
-            "event": event,
-            "detail": db.jsonb(
-                {
-                    "from": status.value,
-                    "cause": "restore",
-                    "reason": reason,
-                    "query_request_id": rows.request_id,
-                }
-            ),
-            "actor": actor,
-        },
-    )
+    async def resume(self, actor: str | None, reason: str, force: bool) -> Outcome:
+        return await self.ops.call("restore_resume", actor, {"reason": reason, "force": force})
 
 
 async def report(engine: db.Database, journals: dict[str, db.Database]) -> dict[str, Any]:

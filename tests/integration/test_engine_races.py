@@ -65,7 +65,7 @@ class Cli:
             cwd=ROOT,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **env_vars(self.env), "CUSTODY_OPERATOR": "oncall"},
+            env={**os.environ, **env_vars(self.env)},
         )
 
     async def finished_or_blocked(self, timeout: float = 20) -> str:

@@ -29,7 +29,7 @@ REFUSED = [
     ("custody_committer", "DELETE FROM custody.outbox"),
     ("custody_reconciler", "INSERT INTO custody.instances (id) VALUES (gen_random_uuid())"),
     ("custody_reconciler", "UPDATE custody.control SET dispatch_paused = false"),
-    ("custody_operator", "DELETE FROM custody.history"),
+    ("oncall", "DELETE FROM custody.history"),
     # column-level: each role writes only the columns its commit boundary owns
     ("custody_publisher", "UPDATE custody.operations SET result = '{}'"),
     ("custody_publisher", "UPDATE custody.operations SET owner = 'payments'"),
@@ -45,7 +45,7 @@ AUDIT_WRITERS = [
     "custody_publisher",
     "custody_receipts",
     "custody_reconciler",
-    "custody_operator",
+    "oncall",
 ]
 
 
@@ -134,7 +134,7 @@ ENGINE_ROLES = [
     "custody_publisher",
     "custody_receipts",
     "custody_reconciler",
-    "custody_operator",
+    "oncall",
     "postgres",
 ]
 ILLEGAL = [
@@ -222,7 +222,7 @@ ASSERTED = [
 
 
 @pytest.mark.parametrize(
-    "role", ["custody_committer", "custody_publisher", "custody_reconciler", "custody_operator"]
+    "role", ["custody_committer", "custody_publisher", "custody_reconciler", "oncall"]
 )
 @pytest.mark.parametrize(("before", "after"), ASSERTED, ids=[f"{b}->{a}" for b, a in ASSERTED])
 def test_an_outcome_is_never_asserted_by_a_role_that_validates_no_receipt(

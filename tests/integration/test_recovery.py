@@ -43,21 +43,18 @@ async def fleet(short: Env) -> AsyncIterator[InProcessFleet]:
     await f.stop_all()
 
 
-async def custody(
-    env: Env, *args: str, actor: str | None = "oncall"
-) -> subprocess.CompletedProcess[str]:
+async def custody(env: Env, *args: str, actor: str = "oncall") -> subprocess.CompletedProcess[str]:
     """The operator CLI, as a separate process against the test's database. Awaited, so
     the in-process workers keep running meanwhile (as they would beside a real
     operator): a blocking call would freeze their event loop, lose their leases and
     deadlock a CLI that waits on a row lock one of them holds."""
-    extra = {"CUSTODY_OPERATOR": actor} if actor else {}
     argv = [sys.executable, "-m", "workers.cli", *args]
     proc = await asyncio.create_subprocess_exec(
         *argv,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, **env_vars(env), **extra},
+        env={**os.environ, **env_vars(env, actor)},
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -69,11 +66,12 @@ async def custody(
     return subprocess.CompletedProcess(argv, proc.returncode, out.decode(), err.decode())
 
 
-def env_vars(env: Env) -> dict[str, str]:
-    """The operator's environment: the custody_operator role, never the superuser."""
+def env_vars(env: Env, actor: str = "oncall") -> dict[str, str]:
+    """An operator's environment: its own login role (the actor the database records),
+    never the superuser."""
     return env.fleet_env() | {
         "CUSTODY_PROCESSES_DIR": env.settings.processes_dir,
-        "CUSTODY_DATABASE_URL": db.with_user(env.settings.database_url, "custody_operator"),
+        "CUSTODY_DATABASE_URL": db.with_user(env.settings.database_url, actor),
     }
 
 

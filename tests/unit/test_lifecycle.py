@@ -403,3 +403,30 @@ def test_the_database_guard_allows_exactly_the_lifecycle_tables_changes() -> Non
     instances = {(a.value, b.value) for a, b in INSTANCE_TRANSITIONS}
     assert _schema_pairs("instance_transitions") == instances
     assert ("failed", "succeeded") not in ops and ("cancelled", "succeeded") not in ops
+
+
+# the events the database's controlled commands take (transitions.sql)
+COMMAND_EVENTS = ("cancel", "reconcile", "restored", "retry_safe")
+
+
+def test_the_controlled_commands_follow_the_lifecycle_table_event_for_event() -> None:
+    """The seed: "Operators use controlled recovery commands rather than editing runtime
+    rows directly." Those commands live in the database (transitions.sql) and look each
+    transition up in custody.operation_events: that table is the Python lifecycle's,
+    row for row, for every event a command takes."""
+    from workers.config import ROOT
+    from workers.lifecycle import TRANSITIONS, Status
+
+    text = (ROOT / "transitions.sql").read_text()
+    start = text.index("INSERT INTO custody.operation_events (from_status, event, to_status)")
+    rows = set(
+        re.findall(
+            r"\('([a-z_]+)', '([a-z_]+)', '([a-z_]+)'\)", text[start : text.index(";", start)]
+        )
+    )
+    expected = {
+        (source.value, event.value, target.value)
+        for (source, event), target in TRANSITIONS.items()
+        if event.value in COMMAND_EVENTS and isinstance(target, Status)
+    }
+    assert rows == expected

@@ -1,0 +1,724 @@
+-- custody: the controlled recovery commands, in the database (applied after schema.sql
+-- and commands.sql; idempotent).
+--
+-- "Operators use controlled recovery commands rather than editing runtime rows
+-- directly." An operator is a Postgres login role of its own, registered in
+-- custody.operators (synced from deploy/operators.toml by `custody migrate` or
+-- `custody operators apply`) and a member of custody_operators. That group may read
+-- (row-level security limits it to its tenants) and may EXECUTE the operator
+-- functions below; it may not write a single row. Each function is SECURITY DEFINER,
+-- owned by custody_definer (NOLOGIN: nobody logs in as it), and:
+--   * takes the actor from session_user, the authenticated login, never an argument;
+--   * checks the operator's authorization for the action and the target's tenant;
+--   * checks the lifecycle (custody.operation_events, generated from
+--     workers/lifecycle.py and checked against it by a test), and the status guard
+--     trigger checks it again for every role;
+--   * writes the history and the audit row (done or refused) in the same transaction
+--     as the effect.
+-- The workers' automatic policies (retry policy, reconcile policy, a broker-validated
+-- cancel request, retiring undeliverable submits) call the same t_* functions with
+-- their own actor; only the worker roles named below may.
+
+-- Roles -------------------------------------------------------------------------------
+DO $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'custody_operators') THEN
+    CREATE ROLE custody_operators NOLOGIN;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'custody_definer') THEN
+    CREATE ROLE custody_definer NOLOGIN;
+  END IF;
+  -- the migrator must be able to hand the functions to custody_definer
+  IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+     AND NOT pg_has_role(current_user, 'custody_definer', 'MEMBER') THEN
+    EXECUTE format('GRANT custody_definer TO %I', current_user);
+  END IF;
+END $$;
+
+-- Who may do what, per tenant ("*" = every tenant) ---------------------------------------
+CREATE TABLE IF NOT EXISTS custody.operators (
+  name       text PRIMARY KEY,
+  actions    text[] NOT NULL DEFAULT '{}',
+  tenants    text[] NOT NULL DEFAULT '{}',
+  updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- The operation lifecycle by event, as workers/lifecycle.py's TRANSITIONS (the events the
+-- functions below use; a test checks the rows against the Python table).
+CREATE TABLE IF NOT EXISTS custody.operation_events (
+  from_status custody.operation_status NOT NULL,
+  event       text NOT NULL,
+  to_status   custody.operation_status NOT NULL,
+  PRIMARY KEY (from_status, event)
+);
+DELETE FROM custody.operation_events;
+INSERT INTO custody.operation_events (from_status, event, to_status) VALUES
+  ('accepted', 'cancel', 'cancelling'),
+  ('dispatched', 'cancel', 'cancelling'),
+  ('outcome_unknown', 'cancel', 'cancelling'),
+  ('pending', 'cancel', 'cancelling'),
+  ('reconcile_pending', 'cancel', 'cancelling'),
+  ('retry_waiting', 'cancel', 'cancelled'),
+  ('outcome_unknown', 'reconcile', 'reconcile_pending'),
+  ('accepted', 'restored', 'outcome_unknown'),
+  ('dispatched', 'restored', 'outcome_unknown'),
+  ('retry_waiting', 'retry_safe', 'pending');
+
+-- Helpers (not callable by operators: every helper below is revoked from PUBLIC) ---------
+CREATE OR REPLACE FUNCTION custody.canonical_id(p_value text) RETURNS uuid
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+  RETURN regexp_replace(btrim(p_value), '^urn:uuid:', '', 'i')::uuid;
+EXCEPTION WHEN invalid_text_representation OR null_value_not_allowed THEN
+  RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION custody.next_status(p_from custody.operation_status, p_event text)
+RETURNS custody.operation_status LANGUAGE sql STABLE AS $$
+  SELECT to_status FROM custody.operation_events WHERE from_status = p_from AND event = p_event
+$$;
+
+CREATE OR REPLACE FUNCTION custody.operator_actor() RETURNS text
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+  -- session_user is the authenticated login; SET ROLE cannot change it
+  IF session_user::text = 'policy' THEN
+    RAISE EXCEPTION 'a login named policy cannot act as an operator' USING ERRCODE = '42501';
+  END IF;
+  RETURN session_user::text;
+END $$;
+
+-- Why ``actor`` may not do ``action`` on ``tenant`` (NULL: every tenant), or NULL.
+CREATE OR REPLACE FUNCTION custody.refusal(
+  p_actor text, p_action text, p_tenant text, p_reason text
+) RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+  v custody.operators;
+BEGIN
+  IF p_actor = 'policy' THEN
+    RETURN NULL;
+  END IF;
+  IF length(regexp_replace(coalesce(p_reason, ''), '^\s+|\s+$', '', 'g')) < 8 THEN
+    RETURN 'a reason of at least 8 characters is required';
+  END IF;
+  SELECT * INTO v FROM custody.operators WHERE name = p_actor;
+  IF NOT FOUND THEN
+    RETURN format('''%s'' is not an operator', p_actor);
+  END IF;
+  IF NOT p_action = ANY (v.actions) THEN
+    RETURN format('''%s'' may not %s', p_actor, p_action);
+  END IF;
+  IF '*' = ANY (v.tenants) THEN
+    RETURN NULL;
+  END IF;
+  IF p_tenant IS NULL THEN
+    RETURN format('''%s'' may not %s for every tenant', p_actor, p_action);
+  END IF;
+  IF NOT p_tenant = ANY (v.tenants) THEN
+    RETURN format('''%s'' may not %s for tenant ''%s''', p_actor, p_action, p_tenant);
+  END IF;
+  RETURN NULL;
+END $$;
+
+-- The tenants the current login may see (row-level security), evaluated once per query.
+CREATE OR REPLACE FUNCTION custody.visible_tenants() RETURNS text[]
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT coalesce((SELECT tenants FROM custody.operators WHERE name = session_user::text), '{}')
+$$;
+
+CREATE OR REPLACE FUNCTION custody.history_add(
+  p_instance uuid, p_operation uuid, p_event text, p_actor text, p_detail jsonb
+) RETURNS void LANGUAGE sql AS $$
+  INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
+  VALUES (p_instance, p_operation, p_event, p_detail, p_actor)
+$$;
+
+-- The command's result, with its audit row (every operator command, done or refused).
+CREATE OR REPLACE FUNCTION custody.outcome(
+  p_actor text, p_action text, p_tenant text, p_target text, p_reason text, p_inputs jsonb,
+  p_result text, p_message text, p_data jsonb DEFAULT '{}'
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  IF p_actor <> 'policy' THEN
+    INSERT INTO custody.audit (actor, action, tenant, target, reason, inputs, outcome)
+    VALUES (p_actor, p_action, p_tenant, p_target, p_reason,
+            CASE WHEN p_result = 'done' THEN p_inputs
+                 ELSE p_inputs || jsonb_build_object('refusal', p_message) END,
+            p_result);
+  END IF;
+  RETURN jsonb_build_object('result', p_result, 'message', p_message, 'data', p_data);
+END $$;
+
+CREATE OR REPLACE FUNCTION custody.next_sequence(p_operation uuid, p_attempt int, p_kind text)
+RETURNS int LANGUAGE sql STABLE AS $$
+  SELECT count(*)::int + 1 FROM custody.attempts
+   WHERE operation_id = p_operation AND attempt = p_attempt AND kind = p_kind
+$$;
+
+CREATE OR REPLACE FUNCTION custody.changed_under_lock(p_what text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  RAISE EXCEPTION '% changed under its row lock', p_what USING ERRCODE = 'CU004';
+END $$;
+
+-- Retire the pending submits that must never be sent (of one operation, or all): the
+-- operation is settled or cancelling, or the submit is for an earlier attempt.
+CREATE OR REPLACE FUNCTION custody.t_retire_submits(p_actor text, p_operation uuid DEFAULT NULL)
+RETURNS int LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  n int;
+BEGIN
+  WITH retired AS (
+    UPDATE custody.outbox b
+       SET status = 'retired', claimed_by = NULL, claim_expires_at = NULL,
+           last_error = 'retired: operation ' || op.status::text
+      FROM custody.operations op
+     WHERE b.status = 'pending' AND b.kind = 'submit' AND op.id = b.operation_id
+       AND (p_operation IS NULL OR b.operation_id = p_operation)
+       AND (b.claim_expires_at IS NULL OR b.claim_expires_at < clock_timestamp())
+       AND (op.status IN ('succeeded', 'failed', 'cancelled', 'cancelling')
+            OR b.id <> (SELECT a.request_id FROM custody.attempts a
+                         WHERE a.operation_id = op.id AND a.attempt = op.attempt
+                           AND a.kind = 'submit'))
+    RETURNING b.id, op.id AS operation_id, op.instance_id, op.status
+  ), written AS (
+    INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
+    SELECT instance_id, operation_id, 'command.retired',
+           jsonb_build_object('request_id', id::text, 'operation_status', status::text), p_actor
+      FROM retired
+    RETURNING 1
+  )
+  SELECT count(*) INTO n FROM written;
+  RETURN n;
+END $$;
+
+-- Attempt n+1 of the same operation and input: a new command identity.
+CREATE OR REPLACE FUNCTION custody.new_attempt(
+  p_actor text, p_op custody.operations, p_reason text
+) RETURNS uuid LANGUAGE plpgsql AS $$
+DECLARE
+  v_attempt int := p_op.attempt + 1;
+  v_to custody.operation_status := custody.next_status(p_op.status, 'retry_safe');
+  v_request uuid;
+BEGIN
+  UPDATE custody.operations
+     SET attempt = v_attempt, digest = custody.attempt_digest(p_op.id, v_attempt),
+         status = v_to, effect = 'unknown', owner_revision = 0, receipt_hash = NULL,
+         result = NULL, error = NULL, deadline_at = NULL, retry_at = NULL, updated_at = now()
+   WHERE id = p_op.id AND status = 'retry_waiting' AND effect = 'none'
+     AND attempt = p_op.attempt;
+  IF NOT FOUND THEN
+    PERFORM custody.changed_under_lock('operation ' || p_op.id);
+  END IF;
+  v_request := custody.issue_command(p_op.id, 'submit', 1, NULL);
+  PERFORM custody.history_add(p_op.instance_id, p_op.id, 'operation.pending', p_actor,
+    jsonb_build_object('from', 'retry_waiting', 'attempt', v_attempt,
+                       'request_id', v_request::text, 'reason', p_reason));
+  RETURN v_request;
+END $$;
+
+-- Record ReconcilePending and a query intent against the pinned executor.
+CREATE OR REPLACE FUNCTION custody.t_reconcile(p_actor text, p_operation text, p_reason text)
+RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_inputs jsonb := jsonb_build_object('operation_id', p_operation);
+  v_op custody.operations;
+  v_why text;
+  v_to custody.operation_status;
+  v_request uuid;
+BEGIN
+  SELECT * INTO v_op FROM custody.operations
+   WHERE id = custody.canonical_id(p_operation) FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN custody.outcome(p_actor, 'reconcile', NULL, p_operation, p_reason, v_inputs,
+                           'not_found', format('no operation %s', p_operation));
+  END IF;
+  v_why := custody.refusal(p_actor, 'reconcile', v_op.tenant, p_reason);
+  IF v_why IS NULL THEN
+    v_to := custody.next_status(v_op.status, 'reconcile');
+    IF v_to IS NULL THEN
+      v_why := format('reconcile needs outcome_unknown; operation %s is %s',
+                      p_operation, v_op.status);
+    END IF;
+  END IF;
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'reconcile', v_op.tenant, p_operation, p_reason,
+                           v_inputs, 'refused', v_why);
+  END IF;
+  UPDATE custody.operations
+     SET status = v_to, updated_at = now(),
+         deadline_at = now() + make_interval(secs => deadline_seconds)
+   WHERE id = v_op.id AND status = v_op.status;
+  IF NOT FOUND THEN
+    PERFORM custody.changed_under_lock('operation ' || v_op.id);
+  END IF;
+  v_request := custody.issue_command(
+    v_op.id, 'query', custody.next_sequence(v_op.id, v_op.attempt, 'query'), NULL);
+  PERFORM custody.history_add(v_op.instance_id, v_op.id, 'operation.' || v_to, p_actor,
+    jsonb_build_object('from', v_op.status::text, 'query_request_id', v_request::text,
+                       'reason', p_reason));
+  RETURN custody.outcome(p_actor, 'reconcile', v_op.tenant, p_operation, p_reason, v_inputs,
+    'done',
+    format('operation %s is reconcile_pending; query %s sent to %s on %s',
+           p_operation, v_request, v_op.owner, v_op.binding),
+    jsonb_build_object('operation_id', p_operation, 'status', 'reconcile_pending',
+                       'query_request_id', v_request::text));
+END $$;
+
+-- A new attempt, only from authoritative RetryWaiting with effect none.
+CREATE OR REPLACE FUNCTION custody.t_retry_safe(p_actor text, p_operation text, p_reason text)
+RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_inputs jsonb := jsonb_build_object('operation_id', p_operation);
+  v_op custody.operations;
+  v_why text;
+  v_request uuid;
+BEGIN
+  SELECT * INTO v_op FROM custody.operations
+   WHERE id = custody.canonical_id(p_operation) FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN custody.outcome(p_actor, 'retry-safe', NULL, p_operation, p_reason, v_inputs,
+                           'not_found', format('no operation %s', p_operation));
+  END IF;
+  v_why := custody.refusal(p_actor, 'retry-safe', v_op.tenant, p_reason);
+  IF v_why IS NULL AND NOT (v_op.status = 'retry_waiting' AND v_op.effect = 'none') THEN
+    v_why := format('retry-safe needs retry_waiting with effect none established by a '
+                    'validated receipt; operation %s is %s with effect %s',
+                    p_operation, v_op.status, v_op.effect);
+  END IF;
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'retry-safe', v_op.tenant, p_operation, p_reason,
+                           v_inputs, 'refused', v_why);
+  END IF;
+  v_request := custody.new_attempt(p_actor, v_op, p_reason);
+  RETURN custody.outcome(p_actor, 'retry-safe', v_op.tenant, p_operation, p_reason, v_inputs,
+    'done',
+    format('operation %s attempt %s dispatched as %s', p_operation, v_op.attempt + 1, v_request),
+    jsonb_build_object('operation_id', p_operation, 'attempt', v_op.attempt + 1,
+                       'request_id', v_request::text));
+END $$;
+
+-- Hold or release effect dispatch, globally (NULL instance) or for one instance.
+CREATE OR REPLACE FUNCTION custody.t_set_paused(
+  p_actor text, p_paused boolean, p_reason text, p_instance text DEFAULT NULL
+) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_action text := CASE WHEN p_paused THEN 'pause' ELSE 'resume' END;
+  v_word text := CASE WHEN p_paused THEN 'paused' ELSE 'resumed' END;
+  v_inputs jsonb := jsonb_build_object('instance_id', p_instance);
+  v_target text := coalesce(p_instance, '*');
+  v_inst custody.instances;
+  v_why text;
+BEGIN
+  IF p_instance IS NULL THEN
+    v_why := custody.refusal(p_actor, v_action, NULL, p_reason);
+    IF v_why IS NOT NULL THEN
+      RETURN custody.outcome(p_actor, v_action, NULL, v_target, p_reason, v_inputs,
+                             'refused', v_why);
+    END IF;
+    UPDATE custody.control SET dispatch_paused = p_paused, updated_at = now();
+    RETURN custody.outcome(p_actor, v_action, NULL, v_target, p_reason, v_inputs, 'done',
+      format('effect dispatch %s globally', v_word),
+      jsonb_build_object('dispatch_paused', p_paused));
+  END IF;
+  SELECT * INTO v_inst FROM custody.instances WHERE id = custody.canonical_id(p_instance);
+  IF NOT FOUND THEN
+    RETURN custody.outcome(p_actor, v_action, NULL, v_target, p_reason, v_inputs,
+                           'not_found', format('no instance %s', p_instance));
+  END IF;
+  v_why := custody.refusal(p_actor, v_action, v_inst.tenant, p_reason);
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, v_action, v_inst.tenant, v_target, p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  UPDATE custody.instances SET dispatch_paused = p_paused, updated_at = now()
+   WHERE id = v_inst.id;
+  PERFORM custody.history_add(v_inst.id, NULL, 'dispatch.' || v_word, p_actor,
+                              jsonb_build_object('reason', p_reason));
+  RETURN custody.outcome(p_actor, v_action, v_inst.tenant, v_target, p_reason, v_inputs, 'done',
+    format('effect dispatch %s for instance %s', v_word, p_instance),
+    jsonb_build_object('instance_id', p_instance, 'dispatch_paused', p_paused));
+END $$;
+
+-- The cancellation transition of one locked, unsettled instance: unresolved operations
+-- become cancelling (a cancel goes to each pinned executor) or cancelled (retry_waiting,
+-- nothing in flight); pending successors are suppressed; the submits it makes
+-- undeliverable are retired; the instance settles once every operation is authoritative.
+CREATE OR REPLACE FUNCTION custody.cancel_in(
+  p_actor text, p_instance uuid, p_reason text
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+  r custody.operations;
+  v_to custody.operation_status;
+  v_cancelling text[] := '{}';
+  v_cancelled text[] := '{}';
+  v_intent record;
+  v_settled boolean;
+BEGIN
+  UPDATE custody.instances SET status = 'cancelling', updated_at = now()
+   WHERE id = p_instance AND status IN ('running', 'suspended');
+  FOR r IN SELECT * FROM custody.operations
+            WHERE instance_id = p_instance AND status NOT IN ('succeeded', 'failed', 'cancelled')
+            ORDER BY id FOR UPDATE LOOP
+    IF r.status = 'cancelling' THEN
+      v_to := r.status;  -- a repeated cancel re-sends the command
+    ELSE
+      v_to := custody.next_status(r.status, 'cancel');
+      IF v_to IS NULL THEN
+        RAISE EXCEPTION 'cancel is not allowed from % (operation %)', r.status, r.id
+          USING ERRCODE = 'CU002';
+      END IF;
+      UPDATE custody.operations
+         SET status = v_to, updated_at = now(),
+             effect = CASE WHEN v_to = 'cancelled' THEN 'none'::custody.effect ELSE effect END,
+             finished_at = CASE WHEN v_to = 'cancelled' THEN now() END
+       WHERE id = r.id AND status = r.status;
+      IF NOT FOUND THEN
+        PERFORM custody.changed_under_lock('operation ' || r.id);
+      END IF;
+    END IF;
+    IF v_to = 'cancelled' THEN
+      UPDATE custody.node_states SET status = 'cancelled', updated_at = now()
+       WHERE operation_id = r.id AND status = 'active';
+      v_cancelled := v_cancelled || r.id::text;
+    ELSE
+      PERFORM custody.issue_command(
+        r.id, 'cancel', custody.next_sequence(r.id, r.attempt, 'cancel'), p_reason);
+      v_cancelling := v_cancelling || r.id::text;
+    END IF;
+    PERFORM custody.history_add(r.instance_id, r.id, 'operation.' || v_to, p_actor,
+      jsonb_build_object('from', r.status::text, 'reason', p_reason));
+    PERFORM custody.t_retire_submits(p_actor, r.id);
+  END LOOP;
+  FOR v_intent IN
+    UPDATE custody.successor_intents SET status = 'done', done_at = now()
+     WHERE instance_id = p_instance AND status = 'pending'
+    RETURNING from_operation_id, next_node
+  LOOP
+    PERFORM custody.history_add(p_instance, v_intent.from_operation_id, 'successor.suppressed',
+      p_actor, jsonb_build_object('next_node', v_intent.next_node, 'cause', 'cancel'));
+  END LOOP;
+  PERFORM custody.history_add(p_instance, NULL, 'instance.cancelling', p_actor,
+                              jsonb_build_object('reason', p_reason));
+  UPDATE custody.instances SET status = 'cancelled', finished_at = now(), updated_at = now()
+   WHERE id = p_instance AND status = 'cancelling'
+     AND NOT EXISTS (SELECT 1 FROM custody.operations
+                      WHERE instance_id = p_instance
+                        AND status NOT IN ('succeeded', 'failed', 'cancelled'));
+  v_settled := FOUND;
+  IF v_settled THEN
+    PERFORM custody.history_add(p_instance, NULL, 'instance.cancelled', p_actor, '{}');
+  END IF;
+  RETURN jsonb_build_object(
+    'instance_id', p_instance::text,
+    'instance_status', CASE WHEN v_settled THEN 'cancelled' ELSE 'cancelling' END,
+    'cancelling', to_jsonb(v_cancelling),
+    'cancelled', to_jsonb(v_cancelled));
+END $$;
+
+-- Cancel an instance: a request to settle its work consistently with the executors'
+-- durable state. Repeating it re-sends the cancels.
+CREATE OR REPLACE FUNCTION custody.t_cancel(p_actor text, p_instance text, p_reason text)
+RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_inputs jsonb := jsonb_build_object('instance_id', p_instance);
+  v_inst custody.instances;
+  v_why text;
+  v_data jsonb;
+BEGIN
+  SELECT * INTO v_inst FROM custody.instances
+   WHERE id = custody.canonical_id(p_instance) FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN custody.outcome(p_actor, 'cancel', NULL, p_instance, p_reason, v_inputs,
+                           'not_found', format('no instance %s', p_instance));
+  END IF;
+  v_why := custody.refusal(p_actor, 'cancel', v_inst.tenant, p_reason);
+  IF v_why IS NULL AND v_inst.status IN ('completed', 'failed', 'cancelled') THEN
+    v_why := format('instance %s is already %s', v_inst.id, v_inst.status);
+  END IF;
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'cancel', v_inst.tenant, p_instance, p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  v_data := custody.cancel_in(p_actor, v_inst.id, p_reason);
+  RETURN custody.outcome(p_actor, 'cancel', v_inst.tenant, p_instance, p_reason, v_inputs,
+    'done',
+    format('instance %s is %s; %s operation(s) cancelling', p_instance,
+           v_data->>'instance_status', jsonb_array_length(v_data->'cancelling')),
+    v_data);
+END $$;
+
+-- Cancel a start request: its instance if it exists, otherwise a durable tombstone, so
+-- that a late start creates nothing. The advisory lock is the one a start takes.
+CREATE OR REPLACE FUNCTION custody.t_cancel_start(
+  p_actor text, p_tenant text, p_start_request text, p_reason text
+) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_start uuid := custody.canonical_id(p_start_request);
+  v_target text := p_tenant || '/' || coalesce(v_start::text, p_start_request);
+  v_inputs jsonb := jsonb_build_object(
+    'tenant', p_tenant, 'start_request_id', coalesce(v_start::text, p_start_request));
+  v_inst custody.instances;
+  v_why text;
+  v_data jsonb;
+BEGIN
+  IF v_start IS NULL THEN
+    RETURN custody.outcome(p_actor, 'cancel-start', NULL, v_target, p_reason, v_inputs,
+      'not_found', format('''%s'' is not a start request id', p_start_request));
+  END IF;
+  v_why := custody.refusal(p_actor, 'cancel-start', p_tenant, p_reason);
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'cancel-start', p_tenant, v_target, p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  PERFORM pg_advisory_xact_lock(hashtext(p_tenant || '/' || v_start::text));
+  SELECT * INTO v_inst FROM custody.instances
+   WHERE tenant = p_tenant AND start_request_id = v_start FOR UPDATE;
+  IF NOT FOUND THEN
+    INSERT INTO custody.start_tombstones (tenant, start_request_id, actor, reason)
+    VALUES (p_tenant, v_start, p_actor, p_reason) ON CONFLICT DO NOTHING;
+    RETURN custody.outcome(p_actor, 'cancel-start', p_tenant, v_target, p_reason, v_inputs,
+      'done', format('start %s is tombstoned: if it arrives, it creates nothing', v_start),
+      jsonb_build_object('start_request_id', v_start::text, 'tombstoned', true));
+  END IF;
+  v_why := custody.refusal(p_actor, 'cancel', p_tenant, p_reason);
+  IF v_why IS NULL AND v_inst.status IN ('completed', 'failed', 'cancelled') THEN
+    v_why := format('instance %s is already %s', v_inst.id, v_inst.status);
+  END IF;
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'cancel-start', p_tenant, v_target, p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  v_data := custody.cancel_in(p_actor, v_inst.id, p_reason);
+  RETURN custody.outcome(p_actor, 'cancel-start', p_tenant, v_target, p_reason, v_inputs,
+    'done',
+    format('start %s had created instance %s: it is %s', p_start_request, v_inst.id,
+           v_data->>'instance_status'),
+    v_data);
+END $$;
+
+-- The restore runbook (DESIGN §7): mark, reconcile in batches, resume.
+CREATE OR REPLACE FUNCTION custody.t_restore_mark(p_actor text, p_reason text)
+RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_why text := custody.refusal(p_actor, 'restore', NULL, p_reason);
+  v_generation int;
+BEGIN
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'restore', NULL, 'mark-restored', p_reason, '{}',
+                           'refused', v_why);
+  END IF;
+  UPDATE custody.control
+     SET dispatch_paused = true, restore_generation = restore_generation + 1, updated_at = now()
+  RETURNING restore_generation INTO v_generation;
+  RETURN custody.outcome(p_actor, 'restore', NULL, 'mark-restored', p_reason, '{}', 'done',
+    format('dispatch paused; restore generation is now %s', v_generation),
+    jsonb_build_object('dispatch_paused', true, 'restore_generation', v_generation));
+END $$;
+
+-- One batch of `restore reconcile`: every operation of the restored state whose outcome
+-- is not authoritative (cancelling included), not already asked, is queried at its
+-- pinned executor. "A restored engine can predate an effect that already committed
+-- elsewhere": dispatched and accepted become outcome_unknown; pending stays pending.
+CREATE OR REPLACE FUNCTION custody.t_restore_reconcile(
+  p_actor text, p_reason text, p_done uuid[], p_limit int
+) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_why text := custody.refusal(p_actor, 'restore', NULL, p_reason);
+  r custody.operations;
+  v_status custody.operation_status;
+  v_event text;
+  v_request uuid;
+  v_ids text[] := '{}';
+BEGIN
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'restore', NULL, 'reconcile', p_reason, '{}',
+                           'refused', v_why);
+  END IF;
+  FOR r IN SELECT * FROM custody.operations
+            WHERE status NOT IN ('succeeded', 'failed', 'cancelled', 'retry_waiting')
+              AND NOT (id = ANY (p_done))
+            ORDER BY id LIMIT p_limit FOR UPDATE SKIP LOCKED LOOP
+    v_status := r.status;
+    IF v_status IN ('dispatched', 'accepted') THEN
+      v_status := custody.next_status(r.status, 'restored');
+      UPDATE custody.operations SET status = v_status, updated_at = now()
+       WHERE id = r.id AND status = r.status;
+      UPDATE custody.instances SET status = 'suspended', updated_at = now()
+       WHERE id = r.instance_id AND status = 'running';
+      PERFORM custody.history_add(r.instance_id, r.id, 'operation.outcome_unknown', p_actor,
+        jsonb_build_object('from', r.status::text, 'cause', 'restore'));
+    END IF;
+    IF v_status IN ('outcome_unknown', 'reconcile_pending') THEN
+      -- a restored reconcile_pending gets a fresh deadline for the new question
+      UPDATE custody.operations
+         SET status = 'reconcile_pending', updated_at = now(),
+             deadline_at = now() + make_interval(secs => deadline_seconds)
+       WHERE id = r.id AND status = v_status;
+      v_event := 'operation.reconcile_pending';
+    ELSE
+      v_event := 'operation.queried';  -- pending and cancelling: only the question
+    END IF;
+    v_request := custody.issue_command(
+      r.id, 'query', custody.next_sequence(r.id, r.attempt, 'query'), NULL);
+    PERFORM custody.history_add(r.instance_id, r.id, v_event, p_actor,
+      jsonb_build_object('from', v_status::text, 'cause', 'restore', 'reason', p_reason,
+                         'query_request_id', v_request::text));
+    v_ids := v_ids || r.id::text;
+  END LOOP;
+  RETURN custody.outcome(p_actor, 'restore', NULL, 'reconcile', p_reason, '{}', 'done',
+    format('%s operation(s) queried', cardinality(v_ids)),
+    jsonb_build_object('queried', cardinality(v_ids), 'ids', to_jsonb(v_ids)));
+END $$;
+
+CREATE OR REPLACE FUNCTION custody.t_restore_resume(p_actor text, p_reason text, p_force boolean)
+RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_why text := custody.refusal(p_actor, 'resume', NULL, p_reason);
+  v_inputs jsonb := jsonb_build_object('force', p_force);
+  v_pending int;
+BEGIN
+  IF v_why IS NULL THEN
+    SELECT count(*) INTO v_pending FROM custody.operations
+     WHERE status IN ('reconcile_pending', 'cancelling');
+    IF v_pending > 0 AND NOT p_force THEN
+      v_why := format('%s operation(s) still wait for their executor''s answer '
+                      '(reconcile_pending or cancelling); wait, or --force', v_pending);
+    END IF;
+  END IF;
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(p_actor, 'resume', NULL, 'restore', p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  UPDATE custody.control SET dispatch_paused = false, updated_at = now();
+  RETURN custody.outcome(p_actor, 'resume', NULL, 'restore', p_reason, v_inputs, 'done',
+    'effect dispatch resumed in the database; restart publishers without '
+    'CUSTODY_DISPATCH_PAUSED',
+    jsonb_build_object('dispatch_paused', false, 'unanswered', v_pending));
+END $$;
+
+-- The operator-facing commands: the actor is the login, never an argument ---------------
+CREATE OR REPLACE FUNCTION custody.reconcile(p_operation text, p_reason text) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_reconcile(custody.operator_actor(), p_operation, p_reason)
+$$;
+CREATE OR REPLACE FUNCTION custody.retry_safe(p_operation text, p_reason text) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_retry_safe(custody.operator_actor(), p_operation, p_reason)
+$$;
+CREATE OR REPLACE FUNCTION custody.set_paused(
+  p_paused boolean, p_reason text, p_instance text DEFAULT NULL
+) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_set_paused(custody.operator_actor(), p_paused, p_reason, p_instance)
+$$;
+CREATE OR REPLACE FUNCTION custody.cancel(p_instance text, p_reason text) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_cancel(custody.operator_actor(), p_instance, p_reason)
+$$;
+CREATE OR REPLACE FUNCTION custody.cancel_start(
+  p_tenant text, p_start_request text, p_reason text
+) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_cancel_start(custody.operator_actor(), p_tenant, p_start_request, p_reason)
+$$;
+CREATE OR REPLACE FUNCTION custody.restore_mark(p_reason text) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_restore_mark(custody.operator_actor(), p_reason)
+$$;
+CREATE OR REPLACE FUNCTION custody.restore_reconcile(
+  p_reason text, p_done uuid[], p_limit int
+) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_restore_reconcile(custody.operator_actor(), p_reason, p_done, p_limit)
+$$;
+CREATE OR REPLACE FUNCTION custody.restore_resume(p_reason text, p_force boolean) RETURNS jsonb
+LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+  SELECT custody.t_restore_resume(custody.operator_actor(), p_reason, p_force)
+$$;
+
+-- Ownership and EXECUTE ---------------------------------------------------------------
+DO $$
+DECLARE f regprocedure;
+BEGIN
+  FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+            WHERE p.pronamespace = 'custody'::regnamespace LOOP
+    EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
+  END LOOP;
+  FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+            WHERE p.pronamespace = 'custody'::regnamespace AND p.prosecdef LOOP
+    EXECUTE format('ALTER FUNCTION %s OWNER TO custody_definer', f);
+  END LOOP;
+END $$;
+
+-- Anyone who can log in may *ask*: a login that is no operator gets an audited refusal.
+GRANT USAGE ON SCHEMA custody TO PUBLIC;
+GRANT EXECUTE ON FUNCTION custody.reconcile(text, text), custody.retry_safe(text, text),
+  custody.set_paused(boolean, text, text), custody.cancel(text, text),
+  custody.cancel_start(text, text, text), custody.restore_mark(text),
+  custody.restore_reconcile(text, uuid[], int), custody.restore_resume(text, boolean)
+  TO PUBLIC;
+-- the workers' automatic policies and engine-channel cancels
+GRANT EXECUTE ON FUNCTION custody.t_reconcile(text, text, text),
+  custody.t_retry_safe(text, text, text) TO custody_reconciler;
+GRANT EXECUTE ON FUNCTION custody.t_cancel(text, text, text),
+  custody.t_cancel_start(text, text, text, text) TO custody_committer;
+GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publisher;
+-- functions every role's queries use
+GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
+  custody_receipts, custody_reconciler;
+GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
+
+-- What custody_definer's functions write --------------------------------------------------
+GRANT SELECT, INSERT, UPDATE ON custody.operations, custody.instances, custody.node_states,
+  custody.attempts, custody.outbox, custody.successor_intents, custody.start_tombstones,
+  custody.control TO custody_definer;
+GRANT SELECT, INSERT ON custody.history, custody.audit TO custody_definer;
+GRANT SELECT ON custody.operators, custody.operation_events, custody.operation_transitions,
+  custody.instance_transitions TO custody_definer;  -- the status guards read the last two
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_definer;
+
+-- Operators read; they write nothing ----------------------------------------------------
+GRANT SELECT ON ALL TABLES IN SCHEMA custody TO custody_operators;
+REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON ALL TABLES IN SCHEMA custody FROM custody_operators;
+DO $$
+BEGIN
+  -- the shared role of earlier releases, whose login could write recovery rows
+  IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'custody_operator') THEN
+    REVOKE ALL ON ALL TABLES IN SCHEMA custody FROM custody_operator;
+    REVOKE ALL ON ALL SEQUENCES IN SCHEMA custody FROM custody_operator;
+  END IF;
+END $$;
+
+-- Tenant isolation: row-level security ---------------------------------------------------
+-- The workers and custody_definer see every row; an operator sees the rows of its tenants
+-- (every tenant with "*"); rows of no tenant (global audit, undecodable quarantine) only
+-- with "*". The table owner (the migrator) is not subject to it.
+DO $$
+DECLARE
+  t text;
+  everyone text := 'custody_committer, custody_publisher, custody_receipts, '
+                   'custody_reconciler, custody_definer';
+  -- the scalar subquery is evaluated once per query, not per row
+  own_tenant text := '(SELECT custody.visible_tenants()) && ARRAY[''*'', tenant]';
+  by_instance text := 'EXISTS (SELECT 1 FROM custody.instances i WHERE i.id = instance_id)';
+  by_operation text := 'EXISTS (SELECT 1 FROM custody.operations o WHERE o.id = operation_id)';
+BEGIN
+  FOREACH t IN ARRAY ARRAY['instances', 'operations', 'start_tombstones', 'quarantine', 'audit',
+                           'history', 'node_states', 'successor_intents', 'attempts', 'outbox',
+                           'receipt_inbox'] LOOP
+    EXECUTE format('ALTER TABLE custody.%I ENABLE ROW LEVEL SECURITY', t);
+    EXECUTE format('DROP POLICY IF EXISTS workers ON custody.%I', t);
+    EXECUTE format('CREATE POLICY workers ON custody.%I TO %s USING (true) WITH CHECK (true)',
+                   t, everyone);
+    EXECUTE format('DROP POLICY IF EXISTS operators ON custody.%I', t);
+    EXECUTE format('CREATE POLICY operators ON custody.%I FOR SELECT TO custody_operators '
+                   'USING (%s)', t,
+                   CASE WHEN t IN ('instances', 'operations', 'start_tombstones', 'quarantine',
+                                   'audit') THEN own_tenant
+                        WHEN t IN ('history', 'node_states', 'successor_intents')
+                          THEN by_instance
+                        ELSE by_operation END);
+  END LOOP;
+END $$;
