@@ -90,9 +90,11 @@ PY
   "$T/check-jsonschema" --schemafile "$schema" "$WORK"/keda/*.yaml
 }
 
-# The operator pod of docs/deploy.md ("Operator commands"): its --overrides JSON,
-# merged the way `kubectl run --override-type=strategic` merges it (containers by
-# name), as a Pod through kubernetes-validate.
+# The operator pod of docs/deploy.md ("Operator commands"), for the operator login
+# oncall: its --overrides JSON, merged the way `kubectl run --override-type=strategic`
+# merges it (containers by name: the override must name the one `kubectl run` makes),
+# as a Pod through kubernetes-validate. The operator is the Postgres login of its own
+# Secret; the pod sets no operator name.
 operator_pod_validates() {
   "$T/python" - docs/deploy.md "$WORK/operator-pod.json" <<'PY' || return 1
 import json, re, sys
@@ -100,7 +102,8 @@ text = open(sys.argv[1]).read()
 m = re.search(r"operator_pod\(\) \{\n  cat <<EOF\n(.*?)\nEOF\n", text, re.S)
 if not m:
     sys.exit("no operator_pod heredoc in docs/deploy.md")
-override = json.loads(m.group(1).replace("$1", "custody-operators-0000000000"))
+login = "oncall"
+override = json.loads(m.group(1).replace("$1", login))
 def merge(base, patch):
     for key, value in patch.items():
         if key == "containers":
@@ -113,15 +116,16 @@ def merge(base, patch):
         else:
             base[key] = value
     return base
-pod = {  # what `kubectl run custody-operator --restart=Never --image=... --env=... -- ARGS` creates
+name = f"custody-operator-{login}"
+pod = {  # what `kubectl run custody-operator-oncall --restart=Never --image=... -- ARGS` creates
     "apiVersion": "v1", "kind": "Pod",
-    "metadata": {"name": "custody-operator", "labels": {"run": "custody-operator"}},
+    "metadata": {"name": name, "labels": {"run": name}},
     "spec": {"restartPolicy": "Never", "containers": [{
-        "name": "custody-operator", "image": "registry.example.com/platform/custody:0.1.0",
-        "args": ["audit", "list"], "env": [{"name": "CUSTODY_OPERATOR", "value": "oncall"}]}]},
+        "name": name, "image": "registry.example.com/platform/custody:0.1.0",
+        "args": ["audit", "list"]}]},
 }
 spec = merge(pod["spec"], override["spec"])
-[container] = spec["containers"]
+[container] = spec["containers"]  # one: the override merged into kubectl's container
 assert container["image"] and container["args"], container
 json.dump(pod, open(sys.argv[2], "w"))
 PY

@@ -5,7 +5,9 @@ PodDisruptionBudget, a KEDA ScaledObject on the right queue or metric, and a com
 service; every CUSTODY_* variable they set is a real setting; every metric an alert,
 panel or scaler reads is one the workers export. Least privilege: no worker connects
 as an administrator, and each connects as its own Postgres role and broker user
-(compose, the Kubernetes Secrets documented in docs/deploy.md). The validators
+(compose, the Kubernetes Secrets documented in docs/deploy.md); an operator connects
+as its own Postgres login, and only the migration reads operators.toml (into
+custody.operators, which the database authorizes from). The validators
 themselves (hadolint, compose config, kubernetes-validate, promtool, ...) run in
 scripts/lint-deploy.sh.
 """
@@ -27,10 +29,11 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from workers import broker, cli, fleet, metrics, routes
+from workers import authz, broker, cli, fleet, metrics, routes
 from workers.config import PREFIX, ROOT, Settings
 
 DEPLOY = ROOT / "deploy"
+OPERATORS = authz.load(DEPLOY / "operators.toml").operators
 DOCS = ROOT / "docs" / "deploy.md"
 K8S_BASE = DEPLOY / "k8s" / "base"
 ROUTES = routes.load(DEPLOY / "routes.toml")
@@ -38,9 +41,9 @@ PARTICIPANTS = sorted({r.owner for r in ROUTES.by_name.values()})
 ENGINE = list(fleet.ENGINE_WORKERS)
 WORKER_TYPES = ENGINE + [f"participant-{name}" for name in PARTICIPANTS]
 SETTINGS = {PREFIX + f.name.upper() for f in fields(Settings)}
-# Read from the environment outside Settings: workers.db (where the SQL files live),
-# workers.cli (who the operator is).
-OTHER_VARIABLES = {"CUSTODY_SQL_DIR", "CUSTODY_OPERATOR"}
+# Read from the environment outside Settings: workers.db (where the SQL files live).
+# (No operator name: an operator is the Postgres login of CUSTODY_DATABASE_URL.)
+OTHER_VARIABLES = {"CUSTODY_SQL_DIR"}
 # The administrators: only the migration connects as them.
 ADMINS = {"postgres", "guest"}
 URL_SETTINGS = (
@@ -300,6 +303,8 @@ def test_migration_job_migrates_then_applies_the_topology() -> None:
     container = _container(job)
     script = " ".join(container["command"] + container["args"])
     assert "custody db migrate --participants && custody topology apply" in script
+    # a deployment's DBA creates the operator logins, with their own authentication
+    assert "--create-logins" not in script
     env = {e["name"] for e in container["env"]}
     assert {
         "CUSTODY_DATABASE_URL_FILE",
@@ -336,17 +341,40 @@ def test_only_the_migration_job_gets_administrator_credentials() -> None:
     assert {v["secret"]["secretName"] for v in volumes if "secret" in v} == {"custody-migrate"}
 
 
-def test_the_committer_reads_operators_toml_from_its_configmap() -> None:
-    """Cancel requests on custody.requests are authorized against operators.toml."""
-    deployment = _by_kind("Deployment")["custody-committer"]
-    container = _container(deployment)
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    [name] = [
-        n for n, v in volumes.items() if v.get("configMap", {}).get("name") == "custody-operators"
+def _operators_mount(obj: dict[str, Any]) -> str | None:
+    """Where ``obj`` mounts the custody-operators ConfigMap (None: it doesn't)."""
+    volumes = obj["spec"]["template"]["spec"]["volumes"]
+    names = [
+        v["name"] for v in volumes if v.get("configMap", {}).get("name") == "custody-operators"
     ]
-    assert env["CUSTODY_OPERATORS_FILE"] == f"{mounts[name]}/operators.toml"
+    if not names:
+        return None
+    [name] = names
+    [path] = [m["mountPath"] for m in _container(obj)["volumeMounts"] if m["name"] == name]
+    return str(path)
+
+
+def test_the_migration_job_syncs_operators_toml_from_its_configmap() -> None:
+    """`custody db migrate` copies CUSTODY_OPERATORS_FILE into custody.operators, from
+    which the database authorizes every operator command and cancel request."""
+    job = _by_kind("Job")["custody-migrate"]
+    env = {e["name"]: e.get("value") for e in _container(job)["env"]}
+    mount = _operators_mount(job)
+    assert mount is not None, "the migration Job does not mount custody-operators"
+    assert env["CUSTODY_OPERATORS_FILE"] == f"{mount}/operators.toml"
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_no_worker_reads_operators_toml(worker: str) -> None:
+    """The committer authorizes cancel requests through a database function that reads
+    custody.operators; no worker needs the file (a stale copy could only mislead)."""
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    assert _operators_mount(deployment) is None
+    env = {e["name"] for e in _container(deployment)["env"]}
+    assert "CUSTODY_OPERATORS_FILE" not in env
+    compose = _compose()["services"][worker]
+    assert "CUSTODY_OPERATORS_FILE" not in compose["environment"]
+    assert not any("operators.toml" in v for v in compose.get("volumes", []))
 
 
 # Compose ---------------------------------------------------------------------------
@@ -370,13 +398,28 @@ def test_compose_runs_every_worker_type_after_a_one_off_migrate() -> None:
     script = " ".join(migrate["entrypoint"] + migrate["command"])
     for step in (
         "custody db migrate --participants",
+        "custody operators apply --create-logins",
         "custody topology apply",
         "custody broker dev-users",
     ):
         assert step in script
+    # the dev operator logins are created after the schema (custody_operators) exists
+    assert script.index("custody db migrate") < script.index("custody operators apply")
     for dependency in ("postgres", "rabbitmq"):
         assert migrate["depends_on"][dependency]["condition"] == "service_healthy"
         assert "healthcheck" in services[dependency]
+
+
+def test_compose_migrate_syncs_the_mounted_operators_toml() -> None:
+    """The compose migrate reads deploy/operators.toml itself (mounted, not the image's
+    copy), so an edit takes effect on the next migrate, without a rebuild."""
+    migrate = _compose()["services"]["migrate"]
+    path = migrate["environment"]["CUSTODY_OPERATORS_FILE"]
+    assert f"./operators.toml:{path}:ro" in migrate["volumes"]
+    for name, service in _custody_services().items():
+        if name != "migrate":
+            assert "CUSTODY_OPERATORS_FILE" not in (service.get("environment") or {}), name
+            assert not any("operators.toml" in v for v in service.get("volumes", [])), name
 
 
 @pytest.mark.parametrize("name", PARTICIPANTS)
@@ -458,16 +501,40 @@ def test_every_compose_worker_sets_every_url_it_uses(worker: str) -> None:
     assert set(_urls(_custody_services()[worker])) == wanted
 
 
-def _schema_roles() -> set[str]:
-    """The roles schema.sql creates (its "Least privilege" section)."""
+def _worker_roles() -> set[str]:
+    """The LOGIN roles schema.sql creates (its "Least privilege" section)."""
     text = (ROOT / "schema.sql").read_text()
     match = re.search(r"FOREACH r IN ARRAY ARRAY\[(.*?)\] LOOP", text, re.S)
     assert match, "schema.sql no longer creates its roles in one FOREACH loop"
+    assert "EXECUTE format('CREATE ROLE %I LOGIN', r)" in text[match.end() :]
     return set(re.findall(r"'([a-z_]+)'", match.group(1)))
 
 
-def test_schema_sql_creates_one_role_per_engine_worker_and_the_operator() -> None:
-    assert _schema_roles() == {f"custody_{w}" for w in ENGINE} | {"custody_operator"}
+def _group_roles() -> dict[str, str]:
+    """The roles transitions.sql creates, with their LOGIN or NOLOGIN."""
+    text = (ROOT / "transitions.sql").read_text()
+    return dict(re.findall(r"CREATE ROLE ([a-z_]+) (LOGIN|NOLOGIN)\b", text))
+
+
+def _schema_roles() -> set[str]:
+    """Every role the migration's SQL (schema.sql, transitions.sql) creates."""
+    return _worker_roles() | set(_group_roles())
+
+
+def test_schema_sql_creates_one_role_per_engine_worker_and_transitions_sql_the_groups() -> None:
+    assert _worker_roles() == {f"custody_{w}" for w in ENGINE}
+    # the operators' group and the operator functions' owner: nobody logs in as either
+    assert _group_roles() == {"custody_operators": "NOLOGIN", "custody_definer": "NOLOGIN"}
+    for sql in ("schema.sql", "commands.sql", "transitions.sql"):
+        text = (ROOT / sql).read_text()
+        assert not re.search(r"CREATE ROLE\s+custody_operator\b", text), sql
+
+
+def test_operators_toml_names_no_role_of_custodys_own() -> None:
+    """An operator is its own login; the migration refuses custody's roles as names."""
+    assert OPERATORS
+    assert not set(OPERATORS) & (_schema_roles() | {"postgres"} | ADMINS)
+    assert not any(name.startswith("custody_") for name in OPERATORS)
 
 
 def _admin_env() -> dict[str, str]:
@@ -504,10 +571,26 @@ def test_compose_participants_connect_as_their_own_role_and_broker_user(name: st
     assert urls["CUSTODY_AMQP_URL"] == expected["CUSTODY_AMQP_URL"]
 
 
-def test_compose_operator_is_the_operator_role_and_dev_users_use_the_workers_password() -> None:
+def _operator_logins() -> set[str]:
+    """The operators of operators.toml that log in to Postgres (not broker-only ones,
+    such as the workflow front end's broker user)."""
+    broker_users = set(
+        broker.permissions({r.principal: r.binding for r in ROUTES.by_name.values()})
+    )
+    return set(OPERATORS) - broker_users
+
+
+def test_compose_operator_is_an_operators_own_login_and_dev_users_use_the_workers_password() -> (
+    None
+):
     services = _custody_services()
     operator = services["operator"]
-    assert _user(operator["environment"]["CUSTODY_DATABASE_URL"]) == "custody_operator"
+    # the actor is the login: no operator name beside it (CUSTODY_* checks the rest)
+    assert set(operator["environment"]) == {"CUSTODY_DATABASE_URL"}
+    login = _user(operator["environment"]["CUSTODY_DATABASE_URL"])
+    assert login == "oncall"
+    assert login in _operator_logins() and OPERATORS[login].actions
+    assert login not in _schema_roles()
     assert operator["profiles"] == ["tools"], "a one-off, not started by `up`"
     assert operator["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     script = " ".join(services["migrate"]["entrypoint"] + services["migrate"]["command"])
@@ -586,9 +669,17 @@ def test_documented_secrets_name_each_workers_own_role_and_broker_user() -> None
             assert set(keys) == {"participant-database-url", "amqp-url"}, keys
             assert _user(keys["participant-database-url"]) == cli.participant_role(participant)
             assert _user(keys["amqp-url"]) == principal
-    [operator] = [keys for name, keys in secrets if name == "custody-operator"]
-    assert set(operator) == {"database-url"}
-    assert _user(operator["database-url"]) == "custody_operator"
+    # one Secret per operator login, custody-operator-<login>; no shared one
+    assert "custody-operator" not in names
+    operators = {
+        name.removeprefix("custody-operator-"): keys
+        for name, keys in secrets
+        if name.startswith("custody-operator-")
+    }
+    assert set(operators) == _operator_logins()
+    for login, keys in operators.items():
+        assert set(keys) == {"database-url"}, (login, keys)
+        assert _user(keys["database-url"]) == login, keys
     worker_users = {f"custody_{w}" for w in ENGINE} | {f"custody-{w}" for w in ENGINE}
     for name, keys in secrets:
         for url in keys.values():
@@ -640,11 +731,17 @@ def _table(heading: str) -> list[list[str]]:
     return rows[1:]  # without the header
 
 
-def test_documented_roles_are_the_roles_schema_sql_creates() -> None:
+def test_documented_roles_are_the_roles_the_migration_creates() -> None:
     roles = {row[0] for row in _table("### Postgres roles")}
-    assert roles - {"custody_participant_<name>"} == _schema_roles()
-    assert "custody_participant_<name>" in roles
+    placeholders = {"custody_participant_<name>", "<operator>"}
+    assert roles - placeholders == _schema_roles()
+    assert placeholders <= roles
     assert cli.participant_role("<name>") == "custody_participant_<name>"
+    # the DBA's statements: a login per operator, and no shared operator role any more
+    created = set(re.findall(r'^CREATE ROLE "?([a-z_-]+)"?\s+LOGIN\b', DOCS.read_text(), re.M))
+    assert _operator_logins() <= created
+    assert {f"custody_{w}" for w in ENGINE} <= created
+    assert "custody_operator" not in created
 
 
 def test_documented_broker_permissions_are_workers_broker_permissions() -> None:
@@ -662,24 +759,35 @@ def _documented_operator_pod() -> dict[str, Any]:
     return pod
 
 
-def test_documented_operator_pod_is_the_operator_role_and_the_committers_operators() -> None:
+def _documented_custody_op() -> str:
+    match = re.search(r"^custody_op\(\) \{\n(.*?)\n\}\n", DOCS.read_text(), re.S | re.M)
+    assert match, "docs/deploy.md: no custody_op function"
+    return match.group(1)
+
+
+def test_documented_operator_pod_is_the_operators_own_login() -> None:
+    """``operator_pod LOGIN`` mounts that login's own Secret, and nothing names an
+    operator but the database URL in it: the actor is the Postgres login."""
     spec = _documented_operator_pod()["spec"]
     [container] = spec["containers"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert volumes["secrets"]["secret"]["secretName"] == "custody-operator"
-    assert volumes["operators"]["configMap"]["name"] == "$1"
+    assert volumes["secrets"]["secret"]["secretName"] == "custody-operator-$1"
+    assert set(volumes) == set(mounts) == {"secrets"}, "no operators.toml: the database has it"
     env = {e["name"]: e["value"] for e in container["env"]}
     for key in env:
         assert key in SETTINGS or key.removesuffix("_FILE") in SETTINGS, key
-    assert env["CUSTODY_DATABASE_URL_FILE"] == mounts["secrets"] + "/database-url"
-    assert env["CUSTODY_OPERATORS_FILE"] == mounts["operators"] + "/operators.toml"
-    # the committer's ConfigMap volume, found by the name the docs' jsonpath asks for
-    committer = _by_kind("Deployment")["custody-committer"]["spec"]["template"]["spec"]
-    assert '?(@.name=="operators")' in DOCS.read_text()
-    assert {v["name"]: v for v in committer["volumes"]}["operators"]["configMap"]["name"] == (
-        "custody-operators"
-    )
+    assert env == {"CUSTODY_DATABASE_URL_FILE": mounts["secrets"] + "/database-url"}
+    # `kubectl run NAME` names its container NAME: the override must merge into it
+    assert container["name"] == "custody-operator-$1"
+    body = _documented_custody_op()
+    assert 'run "custody-operator-$login"' in body
+    assert '--overrides="$(operator_pod "$login")"' in body
+    assert "--env" not in body, "the pod gets nothing but its login's Secret"
+    # every login the docs run it as has its documented Secret
+    used = set(re.findall(r"^custody_op ([a-z-]+) ", DOCS.read_text(), re.M))
+    documented = {n.removeprefix("custody-operator-") for n, _ in _documented_secrets()}
+    assert used and used <= documented & _operator_logins()
     # the namespace's `restricted` Pod Security profile
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
