@@ -633,3 +633,14 @@ ON CONFLICT (name) DO UPDATE
 
 -- name: operators_prune
 DELETE FROM custody.operators WHERE NOT (name = ANY(%(names)s));
+
+-- Harness reads (the demo, the bench: workers.harness.env) ------------------------------
+
+-- name: harness_outbox_pending
+SELECT count(*) AS n FROM outbox WHERE status = 'pending';
+
+-- name: harness_quarantined
+SELECT count(*) AS n FROM quarantine;
+
+-- name: harness_succeeded_by_operation
+SELECT operation, count(*) AS n FROM operations WHERE status = 'succeeded' GROUP BY 1;

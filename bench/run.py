@@ -40,9 +40,11 @@ from typing import IO, Any, LiteralString
 import psycopg
 
 from bench import baseline
-from workers import broker, cli, demo, fleet
-from workers import db as workers_db
-from workers.config import ROOT, Settings
+from workers import provision
+from workers.harness import demo, env, fleet
+from workers.io import broker
+from workers.io import db as workers_db
+from workers.settings import ROOT, Settings
 
 ENGINE_DB = "custody_bench"
 PARTICIPANT_DB = "custody_bench_participants"
@@ -397,11 +399,11 @@ class BaselineResult:
 
 
 async def run_baseline(settings: Settings, *, ops: int, warmup: int, logs: Path) -> BaselineResult:
-    db_url = demo._with_db(settings.database_url, BASELINE_DB)
-    amqp_url = demo._with_vhost(settings.amqp_url, BASELINE_VHOST)
-    admin_url = demo._with_db(settings.database_url, "postgres")
+    db_url = env.with_db(settings.database_url, BASELINE_DB)
+    amqp_url = env.with_vhost(settings.amqp_url, BASELINE_VHOST)
+    admin_url = env.with_db(settings.database_url, "postgres")
     print(f"baseline: {ops} operations (+{warmup} warm-up), one message at a time", flush=True)
-    await demo._reset_database(db_url)
+    await env.reset_database(db_url)
     await _fresh_vhost(settings, BASELINE_VHOST)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -635,10 +637,10 @@ async def _wait_finished(
 async def run_custody(
     settings: Settings, *, replicas: int, instances: int, warmup: int, logs: Path
 ) -> CustodyResult:
-    engine_url = demo._with_db(settings.database_url, ENGINE_DB)
-    part_url = demo._with_db(settings.participant_database_url, PARTICIPANT_DB)
-    admin_url = demo._with_db(settings.database_url, "postgres")
-    amqp_url = demo._with_vhost(settings.amqp_url, VHOST)
+    engine_url = env.with_db(settings.database_url, ENGINE_DB)
+    part_url = env.with_db(settings.participant_database_url, PARTICIPANT_DB)
+    admin_url = env.with_db(settings.database_url, "postgres")
+    amqp_url = env.with_vhost(settings.amqp_url, VHOST)
     bench = replace(
         settings,
         database_url=engine_url,
@@ -651,16 +653,16 @@ async def run_custody(
         f" {replicas} replica(s) per worker",
         flush=True,
     )
-    await demo._reset_database(engine_url)
-    await demo._reset_database(part_url)
+    await env.reset_database(engine_url)
+    await env.reset_database(part_url)
     await _fresh_vhost(settings, VHOST)
     crew: fleet.Fleet | None = None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            await cli.cmd_migrate(bench, argparse.Namespace(participants=True))
-            await cli.cmd_topology(bench, argparse.Namespace())
-            await cli.cmd_dev_users(bench, argparse.Namespace(password=demo.DEV_PASSWORD))
-        env = {
+            await provision.migrate(bench, participants=True)
+            await provision.apply_topology(bench)
+            await provision.dev_users(bench, demo.DEV_PASSWORD)
+        worker_env = {
             "CUSTODY_DATABASE_URL": engine_url,
             "CUSTODY_PARTICIPANT_DATABASE_URL": part_url,
             "CUSTODY_AMQP_URL": amqp_url,
@@ -669,13 +671,13 @@ async def run_custody(
         }
         participant_env = {
             name: {
-                "CUSTODY_AMQP_URL": demo._with_vhost(
+                "CUSTODY_AMQP_URL": env.with_vhost(
                     settings.amqp_url, VHOST, f"custody-{name}", demo.DEV_PASSWORD
                 )
             }
             for name in fleet.PARTICIPANTS
         }
-        crew = fleet.Fleet(env=env, log_dir=logs / f"custody-r{replicas}")
+        crew = fleet.Fleet(env=worker_env, log_dir=logs / f"custody-r{replicas}")
         crew.start_all(replicas=replicas, participant_env=participant_env)
         await _wait_consumers(settings, replicas, crew)
         measured = _start_items(demo.orders(instances))
@@ -720,7 +722,7 @@ async def run_custody(
                 await _wait_outbox_drained(conn)
         finally:
             await amqp.close()
-        counts = await demo._counts(engine_url, part_url)
+        counts = await env.counts(engine_url, part_url)
         succeeded = counts["succeeded_by_operation"]
         expected = {
             "inventory.reservations": succeeded.get("inventory.reserve", 0),
@@ -873,7 +875,7 @@ async def machine_facts(settings: Settings) -> Machine:
             break
     overview = await broker.management(settings.amqp_management_url, "GET", "/api/overview")
     [[pg_version]] = await _query(
-        demo._with_db(settings.database_url, "postgres"), "SHOW server_version"
+        env.with_db(settings.database_url, "postgres"), "SHOW server_version"
     )
     libs = ", ".join(
         f"{name} {importlib.metadata.version(name)}"
@@ -910,12 +912,12 @@ CODE_PATHS = (
 
 def _revision() -> str:
     """The commit measured, and whether the code differed from it (read-only git)."""
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    worker_env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             cwd=ROOT,
-            env=env,
+            env=worker_env,
             capture_output=True,
             text=True,
             check=True,
@@ -923,7 +925,7 @@ def _revision() -> str:
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", *CODE_PATHS],
             cwd=ROOT,
-            env=env,
+            env=worker_env,
             capture_output=True,
             text=True,
             check=True,

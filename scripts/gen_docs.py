@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers import lifecycle
+from workers.core import lifecycle
 
 path = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
 text = path.read_text()

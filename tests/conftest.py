@@ -20,9 +20,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from workers import broker, cli, fleet
-from workers.config import ROOT, Settings
-from workers.demo import _with_vhost
+from workers import provision
+from workers.harness import fleet
+from workers.harness.env import with_vhost
+from workers.io import broker
+from workers.settings import ROOT, Settings
 
 # CI runs the property tests derandomized: the same examples every run, so a red CI is
 # a reproducible failure (locally they keep exploring new examples).
@@ -68,9 +70,9 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
     settings = replace(
         Settings(), database_url=_url(engine_tpl), participant_database_url=_url(part_tpl)
     )
-    asyncio.run(cli.cmd_migrate(settings, _Args(participants=True)))
+    asyncio.run(provision.migrate(settings, participants=True))
     # each operator its own login role; "mallory" can log in and is no operator
-    asyncio.run(cli.sync_operators(settings, settings.operators_file, create_logins=True))
+    asyncio.run(provision.sync_operators(settings, settings.operators_file, create_logins=True))
     _admin(
         sql.SQL(
             "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mallory') "
@@ -108,7 +110,7 @@ class Env:
         self.part_db = part_db
 
     def participant_amqp(self, name: str) -> str:
-        return _with_vhost(AMQP, self.vhost, f"custody-{name}", DEV_PASSWORD)
+        return with_vhost(AMQP, self.vhost, f"custody-{name}", DEV_PASSWORD)
 
     def participant_settings(self, name: str) -> Settings:
         return replace(self.settings, amqp_url=self.participant_amqp(name))
@@ -161,7 +163,7 @@ def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Itera
     settings = Settings(
         database_url=_url(engine_db),
         participant_database_url=_url(part_db),
-        amqp_url=_with_vhost(AMQP, vhost),
+        amqp_url=with_vhost(AMQP, vhost),
         amqp_management_url=MGMT,
         routes_file=str(ROOT / "deploy" / "routes.toml"),
         processes_dir=str(ROOT / "deploy" / "processes"),
@@ -171,8 +173,8 @@ def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Itera
         prefetch=100,
         confirm_timeout_s=5.0,
     )
-    asyncio.run(cli.cmd_topology(settings, _Args()))
-    asyncio.run(cli.cmd_dev_users(settings, _Args(password=DEV_PASSWORD)))
+    asyncio.run(provision.apply_topology(settings))
+    asyncio.run(provision.dev_users(settings, DEV_PASSWORD))
     yield Env(settings, vhost, engine_db, part_db)
     asyncio.run(broker.delete_vhost(MGMT, vhost))
     for name in (engine_db, part_db):

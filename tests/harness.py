@@ -11,18 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from participants import samples
-from workers import (
-    broker,
-    committer,
-    db,
-    fleet,
-    participant,
-    publisher,
-    receipts,
-    reconciler,
-    runtime,
-)
-from workers.config import Settings
+from workers.engine import committer, publisher, receipts, reconciler
+from workers.harness import fleet
+from workers.io import broker, db
+from workers.participant import service
+from workers.runtime import probes, supervisor
+from workers.settings import Settings
 
 ENGINE = ("committer", "publisher", "receipts", "reconciler")
 PARTICIPANTS = ("inventory", "payments", "shipping")
@@ -48,7 +42,7 @@ def order(i: int = 0, **overrides: Any) -> dict[str, Any]:
 @dataclass
 class Running:
     name: str
-    stop: runtime.Stop
+    stop: supervisor.Stop
     task: asyncio.Task[None]
 
 
@@ -60,8 +54,8 @@ class InProcessFleet:
     running: list[Running] = field(default_factory=list)
 
     def start(self, worker: str, settings: Settings | None = None) -> Running:
-        stop = runtime.Stop(grace_s=10)
-        health = runtime.Health()
+        stop = supervisor.Stop(grace_s=10)
+        health = probes.Health()
         if worker in PARTICIPANTS:
             s = settings or self.env.participant_settings(worker)
             s = dataclasses.replace(
@@ -70,10 +64,10 @@ class InProcessFleet:
                     s.participant_database_url, f"custody_participant_{worker}"
                 ),
             )
-            me = participant.Identity(
+            me = service.Identity(
                 owner=worker, principal=f"custody-{worker}", bindings=frozenset({f"{worker}.v1"})
             )
-            coro = participant.serve(
+            coro = service.serve(
                 me, samples.HANDLERS[worker], s, stop, health, schema=f"participant_{worker}"
             )
         else:

@@ -1,7 +1,7 @@
 """One root error class, and the one pure classifier of what is retryable.
 
-psycopg errors are translated in ``workers.db`` and aio-pika errors in
-``workers.broker``, each with ``raise … from``; nothing else catches them.
+psycopg errors are translated in ``workers.io.db`` and aio-pika errors in
+``workers.io.broker``, each with ``raise … from``; nothing else catches them.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 
 from tests.acceptance.support import Crew
 from tests.conftest import Env
-from workers.fleet import Fleet
+from workers.harness.fleet import Fleet
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import Env, wait_until
-from workers.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
+from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
 
 CRASH_ENV = "CUSTODY_CRASH_POINTS"
 STOCK = 100_000_000  # sku-1 in participants/samples.sql
@@ -28,7 +28,7 @@ NODES = ("reserve", "charge", "ship")
 
 @dataclass
 class Crew:
-    """A :class:`workers.fleet.Fleet` that knows which processes are meant to die."""
+    """A :class:`workers.harness.fleet.Fleet` that knows which processes are meant to die."""
 
     env: Env
     fleet: Fleet

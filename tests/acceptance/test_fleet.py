@@ -23,8 +23,8 @@ from tests.acceptance.support import (
 )
 from tests.conftest import Env
 from tests.harness import client, order, publish_starts
-from workers import broker
-from workers.fleet import PARTICIPANTS
+from workers.harness.fleet import PARTICIPANTS
+from workers.io import broker
 
 pytestmark = pytest.mark.acceptance
 

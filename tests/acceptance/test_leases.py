@@ -21,8 +21,8 @@ from tests.acceptance.support import Crew, all_finished, assert_durable_happy_en
 from tests.conftest import Env, wait_until
 from tests.fixtures import processes
 from tests.harness import order, publish_starts
-from workers import broker
-from workers.fleet import Proc
+from workers.harness.fleet import Proc
+from workers.io import broker
 
 pytestmark = pytest.mark.acceptance
 

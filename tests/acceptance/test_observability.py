@@ -45,9 +45,10 @@ from contracts.models import StartRequest, SubmitCommand
 from tests.acceptance.support import Crew, all_finished, environ_of, state
 from tests.conftest import DEV_PASSWORD, MGMT, Env
 from tests.harness import client, order, publish_raw, publish_starts
-from workers import adapter, broker
-from workers.config import ROOT
-from workers.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
+from workers.core import commands
+from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
+from workers.io import broker
+from workers.settings import ROOT
 
 pytestmark = pytest.mark.acceptance
 
@@ -60,7 +61,7 @@ TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 LIFECYCLE = ("worker.started", "worker.draining", "worker.stopped")
 
 # The families the issue lists, and the process that records each (read from the code:
-# workers/publisher.py, committer.py, receipts.py, reconciler.py, consumer.py,
+# workers/runtime/outbox.py, committer.py, receipts.py, reconciler.py, consumer.py,
 # engine.py, runtime.redo and participant.py). A participant runs its own outbox
 # publisher and consumer, so it also exports the outbox, confirm and redelivery
 # families under its own owner label.
@@ -882,7 +883,7 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
         assert changed.semantic_digest() != command.digest
         # The engine's own command builder, given the same pinned identity under two other
         # traces: the same digest (the published one), different trace headers.
-        pinned = adapter.Pinned(
+        pinned = commands.Pinned(
             operation_id=command.operation_id,
             tenant=command.tenant,
             attempt=command.attempt,
@@ -894,7 +895,7 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
             lineage=command.lineage.model_dump(mode="json"),
         )
         rebuilt = [
-            adapter.submit(pinned, traceparent=f"00-{uuid.uuid4().hex}-{parent_span}-01")
+            commands.submit(pinned, traceparent=f"00-{uuid.uuid4().hex}-{parent_span}-01")
             for _ in range(2)
         ]
         assert {r.digest for r in rebuilt} == {command.digest}
@@ -1045,7 +1046,7 @@ async def test_no_secret_reaches_a_log_line_and_config_show_redacts_them(
     # No CUSTODY_AMQP_URL at all: it and CUSTODY_AMQP_URL_FILE are exclusive.
     base = {k: v for k, v in env.fleet_env().items() if k != "CUSTODY_AMQP_URL"}
     base["CUSTODY_PARTICIPANT_DATABASE_URL"] = part_url
-    # Without the fleet's per-worker roles (workers.fleet.role_env), which would set
+    # Without the fleet's per-worker roles (workers.harness.fleet.role_env), which would set
     # CUSTODY_AMQP_URL for every worker and so exclude CUSTODY_AMQP_URL_FILE.
     secret_crew = Crew(
         env, Fleet(env=base, log_dir=tmp_path / "secret-logs", least_privilege=False)

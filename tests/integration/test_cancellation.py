@@ -25,7 +25,9 @@ from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, client, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, status_of, until_status
-from workers import broker, participant, runtime
+from workers.io import broker
+from workers.participant import service
+from workers.runtime import probes, supervisor
 
 
 @pytest.fixture
@@ -163,7 +165,7 @@ async def test_an_accepted_command_not_yet_executed_is_cancelled_with_effect_non
     effect none, and the handler never runs."""
     gate = asyncio.Event()
 
-    async def reserve_later(call: participant.Call) -> Mapping[str, Any]:
+    async def reserve_later(call: service.Call) -> Mapping[str, Any]:
         if not gate.is_set():
             raise RuntimeError("the warehouse system is not answering yet")  # deferred
         return await samples.reserve(call)
@@ -213,12 +215,12 @@ async def test_a_success_that_wins_the_race_stays_succeeded_and_no_successor_run
     success arrives, then the operation is succeeded and the instance cancelled."""
     gate = asyncio.Event()
 
-    async def reserve_when_released(call: participant.Call) -> Mapping[str, Any]:
+    async def reserve_when_released(call: service.Call) -> Mapping[str, Any]:
         if not gate.is_set():
             raise RuntimeError("waiting for the warehouse")
         return await samples.reserve(call)
 
-    async def too_late(call: participant.Call) -> bool:
+    async def too_late(call: service.Call) -> bool:
         return False  # the warehouse already picked the goods
 
     fleet.start_all(participants=("payments", "shipping"))
@@ -384,22 +386,22 @@ async def test_cancellation_is_refused_for_an_operator_without_the_right(
 def _start_custom(
     fleet: InProcessFleet,
     env: Env,
-    handlers: Mapping[str, participant.Handler],
-    hooks: Mapping[str, participant.CancelHook] | None = None,
+    handlers: Mapping[str, service.Handler],
+    hooks: Mapping[str, service.CancelHook] | None = None,
 ) -> None:
     """The inventory participant with test handlers (and cancel hooks)."""
     from tests.harness import Running
 
-    stop = runtime.Stop(grace_s=10)
-    me = participant.Identity(
+    stop = supervisor.Stop(grace_s=10)
+    me = service.Identity(
         owner="inventory", principal="custody-inventory", bindings=frozenset({"inventory.v1"})
     )
-    coro = participant.serve(
+    coro = service.serve(
         me,
         handlers,
         env.participant_settings("inventory"),
         stop,
-        runtime.Health(),
+        probes.Health(),
         schema="participant_inventory",
         cancel_hooks=hooks,
     )

@@ -1,7 +1,7 @@
 """deploy/rabbitmq/definitions.json is ``custody topology apply`` as a file.
 
-(a) It says exactly what :func:`workers.broker.topology` and
-:func:`workers.broker.policy_definition` say for the routes in deploy/routes.toml
+(a) It says exactly what :func:`workers.io.broker.topology` and
+:func:`workers.io.broker.policy_definition` say for the routes in deploy/routes.toml
 (pure comparison). (b) RabbitMQ accepts it: it is imported for real into a fresh
 vhost through the management API, every queue comes out a durable quorum queue, the
 work queues carry the ``custody-queues`` policy (DLX and delivery limit) and a poison
@@ -29,9 +29,10 @@ import aio_pika
 import pytest
 
 from tests.conftest import AMQP, MGMT, wait_until
-from workers import broker, routes
-from workers.config import ROOT, Settings
-from workers.demo import _with_vhost
+from workers.core import routes
+from workers.harness.env import with_vhost
+from workers.io import broker
+from workers.settings import ROOT, Settings
 
 DEFINITIONS = ROOT / "deploy" / "rabbitmq" / "definitions.json"
 RABBIT_CONF = ROOT / "deploy" / "rabbitmq" / "rabbitmq.conf"
@@ -112,7 +113,7 @@ def without_vhost(definitions: dict[str, Any]) -> dict[str, Any]:
 
 def test_definitions_file_is_generated_from_the_topology_plan() -> None:
     assert DEFINITIONS.read_text() == render(expected_definitions()), (
-        "deploy/rabbitmq/definitions.json drifted from workers.broker.topology(); "
+        "deploy/rabbitmq/definitions.json drifted from workers.io.broker.topology(); "
         "regenerate it: .venv/bin/python -m tests.integration.test_definitions --write"
     )
 
@@ -279,7 +280,7 @@ async def test_a_poison_message_is_dead_lettered_after_the_delivery_limit(import
     """The policy works, not only exists: a message requeued past the delivery limit
     lands in custody.dead-letters (at-least-once dead-lettering) instead of vanishing."""
     vhost = imported
-    connection = await aio_pika.connect(_with_vhost(AMQP, vhost))
+    connection = await aio_pika.connect(with_vhost(AMQP, vhost))
     try:
         channel = await connection.channel(publisher_confirms=True)
         exchange = await channel.get_exchange(broker.EXCHANGE_REQUESTS, ensure=True)

@@ -2,7 +2,7 @@
 
 Each test runs the real workers in-process and makes a second actor (the operator CLI
 as its own process, or a participant's broker user) commit in the middle of a
-worker's unit of work, through a fault-point hook (``workers.faults.set_hook``). A
+worker's unit of work, through a fault-point hook (``workers.runtime.faults.set_hook``). A
 hook never waits for the other actor to finish: it waits until that actor either
 finished or is blocked on a lock the unit holds, so the test passes only where the
 unit and the actor are serialised by the database.
@@ -31,8 +31,11 @@ from contracts.models import CancelRequest
 from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, env_vars
-from workers import broker, db, engine, faults, process, retention
-from workers.config import ROOT
+from workers.core import process
+from workers.io import broker, db
+from workers.participant import retention
+from workers.runtime import faults
+from workers.settings import ROOT
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -295,7 +298,7 @@ async def test_a_cancelled_operations_held_submit_is_never_sent_even_after_parti
     )
     await inventory.open()
     try:
-        removed = await retention.cleanup_participant(inventory, 0)
+        removed = await retention.cleanup(inventory, 0)
     finally:
         await inventory.close()
     assert removed["inbox"] == 1, "the tombstone is gone from the participant"
@@ -513,13 +516,13 @@ async def test_an_activation_that_fails_fails_that_instance_and_never_the_commit
     """One bad process definition must not stop every tenant's work: a start that
     cannot be activated is quarantined with the reason, an instance whose next node
     cannot be activated fails with the reason, and the committer goes on."""
-    real = engine.load_config
+    real = process.load_config
 
     def load(settings: Any) -> tuple[Any, process.Catalog]:
         table, catalog = real(settings)
         return table, _with_a_bad_definition(catalog)
 
-    monkeypatch.setattr(engine, "load_config", load)
+    monkeypatch.setattr(process, "load_config", load)
     fleet.start_all()
     await publish_starts(env.settings, [order(1)], process="broken-start")
     await publish_starts(env.settings, [order(2)], process="broken-flow")

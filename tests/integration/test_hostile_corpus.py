@@ -25,8 +25,8 @@ from tests.acceptance.support import assert_effects_once
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_participant import submit
-from workers import broker
-from workers.config import ROOT
+from workers.io import broker
+from workers.settings import ROOT
 
 MALFORMED = [
     b"{",

@@ -22,7 +22,9 @@ from tests.amqp_raw import F as Field
 from tests.amqp_raw import Hostile, RawPublisher, properties, table
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, drain, order, publish_starts
-from workers import broker, errors, faults
+from workers import errors
+from workers.io import broker
+from workers.runtime import faults
 
 UNDECODABLE = broker.UNDECODABLE
 

@@ -1,4 +1,4 @@
-"""A broker confirm dispatches only the attempt whose submit it confirms (workers/publisher.py).
+"""A broker confirm dispatches only the attempt whose submit it confirms (workers/runtime/outbox.py).
 
 The seed: "Workflow separates the intent to execute an operation from transport
 acceptance" and "It does not interpret timeout as permission to create a new
@@ -26,8 +26,8 @@ import pytest
 from tests.conftest import Env
 from tests.harness import InProcessFleet, order, publish_starts
 from tests.integration.test_recovery import custody, op_id, until_status
-from workers import broker, db
-from workers.publisher import OutboxPublisher
+from workers.io import broker, db
+from workers.runtime.outbox import OutboxPublisher
 
 
 async def _operation(env: Env, oid: str) -> tuple[Any, ...]:

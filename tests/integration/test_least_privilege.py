@@ -14,7 +14,8 @@ from contracts import codec
 from tests.conftest import Env
 from tests.harness import publish_raw
 from tests.integration.test_participant import submit
-from workers import broker, db, fleet
+from workers.harness import fleet
+from workers.io import broker, db
 
 REFUSED = [
     ("custody_publisher", "INSERT INTO custody.operations (id) VALUES (gen_random_uuid())"),

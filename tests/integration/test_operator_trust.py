@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import Env
 from tests.integration.test_recovery import custody
-from workers import db
+from workers.io import db
 
 OPERATORS = ["oncall", "acme-support", "auditor"]
 

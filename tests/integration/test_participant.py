@@ -12,7 +12,7 @@ from contracts import codec, identity
 from contracts.models import Lineage, SubmitCommand, Target
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, drain, publish_raw
-from workers import broker
+from workers.io import broker
 
 
 def submit(**overrides: object) -> SubmitCommand:

@@ -21,11 +21,13 @@ from participants import samples
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, Running, client, drain, publish_raw
 from tests.integration.test_participant import _status, submit
-from workers import broker, db, participant, runtime
-from workers.participant import Call
+from workers.io import broker, db
+from workers.participant import service
+from workers.participant.service import Call
+from workers.runtime import probes, supervisor
 
 SCHEMA = "participant_inventory"
-ME = participant.Identity(
+ME = service.Identity(
     owner="inventory", principal="custody-inventory", bindings=frozenset({"inventory.v1"})
 )
 
@@ -160,7 +162,7 @@ async def test_a_repeated_query_is_answered_again_with_the_latest_receipt(
 # --- defect 9: a concurrent conflicting (or duplicate) acceptance -------------------------
 
 
-class HeldAcceptance(participant.Participant):
+class HeldAcceptance(service.Participant):
     """A replica whose acceptance transaction, once its inbox insert is done, stays
     open until the test releases it (a barrier at a handler-free point)."""
 
@@ -214,7 +216,7 @@ async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_inser
     await db_a.open()
     await db_b.open()
     a = HeldAcceptance(ME, samples.HANDLERS["inventory"], settings, db_a)
-    b = participant.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
+    b = service.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
     try:
         async with _deliveries(env, [codec.encode(cmd), codec.encode(other)]) as [da, d_b]:
             first = asyncio.create_task(a.accept([da]))
@@ -265,10 +267,10 @@ async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_inser
 
 
 @contextlib.asynccontextmanager
-async def _serving(env: Env, handlers: Mapping[str, participant.Handler]) -> AsyncIterator[None]:
+async def _serving(env: Env, handlers: Mapping[str, service.Handler]) -> AsyncIterator[None]:
     """The inventory participant's real runtime (consumer, executor, publisher) with
     test handlers, in this event loop."""
-    stop = runtime.Stop(grace_s=10)
+    stop = supervisor.Stop(grace_s=10)
     settings = env.participant_settings("inventory")
     settings = dataclasses.replace(
         settings,
@@ -280,7 +282,7 @@ async def _serving(env: Env, handlers: Mapping[str, participant.Handler]) -> Asy
         "inventory",
         stop,
         asyncio.create_task(
-            participant.serve(ME, handlers, settings, stop, runtime.Health(), schema=SCHEMA)
+            service.serve(ME, handlers, settings, stop, probes.Health(), schema=SCHEMA)
         ),
     )
     try:
@@ -315,7 +317,7 @@ async def test_a_slow_handler_does_not_block_acceptance_of_a_cancel_or_a_new_sub
     seed_db = _database(env, "inventory-seed")
     await seed_db.open()
     try:
-        seeder = participant.Participant(
+        seeder = service.Participant(
             ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
         )
         async with _deliveries(env, [codec.encode(one), codec.encode(two)]) as ds:

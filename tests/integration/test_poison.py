@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, client, drain, order, publish_starts
-from workers import broker, faults
+from workers.io import broker
+from workers.runtime import faults
 
 
 @pytest.fixture

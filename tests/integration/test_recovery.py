@@ -23,8 +23,8 @@ from contracts import codec
 from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, order, publish_starts
-from workers import broker, db
-from workers.config import ROOT
+from workers.io import broker, db
+from workers.settings import ROOT
 
 
 @pytest.fixture

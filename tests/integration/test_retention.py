@@ -15,8 +15,9 @@ from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, drain, publish_raw
 from tests.integration.test_participant import submit
 from tests.integration.test_recovery import custody
-from workers import broker, engine, retention
-from workers.config import ROOT
+from workers.core import horizon, process
+from workers.io import broker
+from workers.settings import ROOT
 
 
 def run_worker(env: Env, worker: str, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -40,8 +41,8 @@ def test_start_up_refuses_a_horizon_shorter_than_retry_replay_and_restore(
 ) -> None:
     """A configuration whose horizon is shorter than the longest retry window plus the
     replay and restore horizon is refused at start-up, naming the numbers."""
-    _, catalog = engine.load_config(env.settings)
-    window = retention.longest_retry_window(catalog)
+    _, catalog = process.load_config(env.settings)
+    window = horizon.longest_retry_window(catalog)
     assert window.where == "node 'charge' of order-fulfilment v1"  # 3 attempts of 60 s + 1 + 2
     assert window.seconds == 183
     result = run_worker(

@@ -11,8 +11,9 @@ from prometheus_client import REGISTRY
 
 from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_starts
-from workers import broker
-from workers.config import ROOT
+from workers import provision
+from workers.io import broker
+from workers.settings import ROOT
 
 
 @pytest.fixture
@@ -154,8 +155,6 @@ async def test_topology_declares_quorum_queues_with_dead_lettering_and_a_deliver
 async def test_topology_apply_is_idempotent(env: Env) -> None:
     """Declaring twice changes nothing and does not fail (workers and the migrate Job
     may both run it)."""
-    from tests.conftest import _Args
-    from workers import cli
 
     for _ in range(2):
-        assert await cli.cmd_topology(env.settings, _Args()) == 0
+        await provision.apply_topology(env.settings)

@@ -30,14 +30,17 @@ from contracts.models import (
     Target,
 )
 from participants import samples
-from tests.conftest import DEV_PASSWORD, MGMT, Env, _Args, wait_until
+from tests.conftest import DEV_PASSWORD, MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, Running, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody
 from tests.integration.test_trust_boundary import Op, receipt
-from workers import broker, cli, db, participant, runtime
-from workers.config import ROOT
-from workers.lifecycle import TRANSITIONS, Status
+from workers import provision
+from workers.core.lifecycle import TRANSITIONS, Status
+from workers.io import broker, db
+from workers.participant import service
+from workers.runtime import probes, supervisor
+from workers.settings import ROOT
 
 # --- helpers ---------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ async def quarantine_reason(env: Env, message_id: str, timeout: float = 15) -> s
 
 
 def answer(op: Op, query_id: str, inner: OperationReceipt | None, **overrides: Any) -> QueryAnswer:
-    """A query answer as the participant runtime builds it (participant._answers)."""
+    """A query answer as the participant runtime builds it (service._answers)."""
     fields: dict[str, Any] = {
         "answer_id": identity.answer_id(query_id, inner.owner_revision if inner else 0),
         "tenant": op.tenant,
@@ -378,8 +381,8 @@ async def test_reconcile_cancel_and_retry_safe_use_the_pinned_route_after_the_fi
 
     moved = moved_routes(tmp_path / "routes.toml")
     env.settings = dataclasses.replace(env.settings, routes_file=str(moved))
-    await cli.cmd_topology(env.settings, _Args())  # type: ignore[arg-type]  # the new bindings' queues exist too
-    await cli.cmd_dev_users(env.settings, _Args(password=DEV_PASSWORD))  # type: ignore[arg-type]  # new principals
+    await provision.apply_topology(env.settings)  # the new bindings' queues exist too
+    await provision.dev_users(env.settings, DEV_PASSWORD)  # new principals
     drift = {
         r: REGISTRY.get_sample_value("custody_route_drift_total", {"route": r}) or 0
         for r in ("inventory", "payments")
@@ -518,7 +521,7 @@ async def test_restore_resume_is_refused_while_a_query_is_unanswered(
 # --- 4. retry-safe keeps the operation and input identity -------------------------------
 
 
-def start_payments(fleet: InProcessFleet, env: Env, charge: participant.Handler) -> None:
+def start_payments(fleet: InProcessFleet, env: Env, charge: service.Handler) -> None:
     """The payments participant, as the harness starts it, with its own charge handler."""
     s = env.participant_settings("payments")
     s = dataclasses.replace(
@@ -527,12 +530,12 @@ def start_payments(fleet: InProcessFleet, env: Env, charge: participant.Handler)
             s.participant_database_url, "custody_participant_payments"
         ),
     )
-    me = participant.Identity(
+    me = service.Identity(
         owner="payments", principal="custody-payments", bindings=frozenset({"payments.v1"})
     )
-    stop = runtime.Stop(grace_s=10)
-    coro = participant.serve(
-        me, {"payments.charge": charge}, s, stop, runtime.Health(), schema="participant_payments"
+    stop = supervisor.Stop(grace_s=10)
+    coro = service.serve(
+        me, {"payments.charge": charge}, s, stop, probes.Health(), schema="participant_payments"
     )
     fleet.running.append(Running("payments", stop, asyncio.create_task(coro, name="payments")))
 
@@ -598,8 +601,8 @@ async def test_after_max_attempts_the_operation_fails_and_no_further_attempt_is_
     creates nothing."""
     use_processes(env, tmp_path, deadline_s=30, retry_backoff_s=3600)
 
-    async def gateway_down(call: participant.Call) -> Mapping[str, Any]:
-        raise participant.BusinessFailure("gateway_unavailable", "the card gateway is down")
+    async def gateway_down(call: service.Call) -> Mapping[str, Any]:
+        raise service.BusinessFailure("gateway_unavailable", "the card gateway is down")
 
     fleet.start_all(participants=("inventory", "shipping"))
     start_payments(fleet, env, gateway_down)

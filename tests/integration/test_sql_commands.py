@@ -1,4 +1,4 @@
-"""commands.sql builds the commands workers/adapter.py builds, in the database.
+"""commands.sql builds the commands workers/core/commands.py builds, in the database.
 
 The operator recovery commands run in Postgres (SECURITY DEFINER functions), so the SQL
 building blocks must agree with the Python byte for byte where bytes are hashed
@@ -32,9 +32,12 @@ from psycopg.types.json import Jsonb
 
 from contracts import codec, digest, identity
 from contracts.models import Lineage, StartRequest, SubmitCommand
-from tests.conftest import RUN, _admin, _Args, _url
-from workers import adapter, broker, cli, committer, db, engine, tracing
-from workers.config import ROOT, Settings
+from tests.conftest import RUN, _admin, _url
+from workers import provision
+from workers.core import commands, process, tracing
+from workers.engine import committer
+from workers.io import broker, db
+from workers.settings import ROOT, Settings
 
 VECTORS = Path(digest.__file__).parent / "vectors"
 DIGEST_VECTORS = json.loads((VECTORS / "digest.json").read_text())
@@ -55,7 +58,7 @@ def _drop(name: str) -> None:
 
 def _migrate(url: str) -> None:
     settings = replace(Settings(), database_url=url)
-    asyncio.run(cli.cmd_migrate(settings, _Args(participants=False)))
+    asyncio.run(provision.migrate(settings, participants=False))
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +394,7 @@ async def _start(url: str, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]
         routes_file=str(ROOT / "deploy" / "routes.toml"),
         processes_dir=str(ROOT / "deploy" / "processes"),
     )
-    table, catalog = engine.load_config(settings)
+    table, catalog = process.load_config(settings)
     database = db.Database(url, schema="custody", name="test-sql-commands")
     await database.open()
     try:
@@ -435,7 +438,7 @@ def test_sql_digest_equals_the_stored_and_the_python_digest_of_real_operations(
     """Same identity + same digest → the same command: custody.semantic_digest over a
     stored operation row is the digest the committer stored, which is the adapter's."""
     for row in operations:
-        python = adapter.Pinned.from_row(row).digest()
+        python = commands.Pinned.from_row(row).digest()
         sql_digest = _one(
             conn,
             "SELECT custody.semantic_digest(tenant, id, attempt, operation, route, owner,"
@@ -445,7 +448,7 @@ def test_sql_digest_equals_the_stored_and_the_python_digest_of_real_operations(
         assert sql_digest == python == row["digest"]
         assert _one(conn, "SELECT custody.attempt_digest(%s, 1)", (row["id"],)) == row["digest"]
         assert _one(conn, "SELECT custody.attempt_digest(%s, 2)", (row["id"],)) == (
-            adapter.Pinned.from_row(row, attempt=2).digest()
+            commands.Pinned.from_row(row, attempt=2).digest()
         )
 
 
@@ -493,13 +496,13 @@ def test_lineage_outside_the_stored_form_is_refused_or_normalised_like_python(
 REASON = "operator: " + "\u00e9\U0001f600x" * 900  # > 2000 code points, 4-byte ones too
 
 
-def _python_rows(row: dict[str, Any], kind: str, sequence: int) -> adapter.CommandRows:
-    pinned = adapter.Pinned.from_row(row)
+def _python_rows(row: dict[str, Any], kind: str, sequence: int) -> commands.CommandRows:
+    pinned = commands.Pinned.from_row(row)
     if kind == "submit":
-        return adapter.submit(pinned)
+        return commands.submit(pinned)
     if kind == "query":
-        return adapter.query(pinned, sequence=sequence)
-    return adapter.cancel(pinned, sequence=sequence, reason=REASON)
+        return commands.query(pinned, sequence=sequence)
+    return commands.cancel(pinned, sequence=sequence, reason=REASON)
 
 
 def _sql_body(c: psycopg.Connection[dict[str, Any]], op_id: Any, kind: str, sequence: int) -> bytes:
@@ -576,7 +579,7 @@ def _issued(c: psycopg.Connection[dict[str, Any]], request: Any) -> tuple[Any, A
 
 
 def _assert_rows_equal(
-    attempt: dict[str, Any], outbox: dict[str, Any], python: adapter.CommandRows, before: datetime
+    attempt: dict[str, Any], outbox: dict[str, Any], python: commands.CommandRows, before: datetime
 ) -> None:
     assert {k: str(v) if isinstance(v, uuid.UUID) else v for k, v in attempt.items()} == (
         python.attempt_row
@@ -597,7 +600,7 @@ def test_issue_command_writes_the_rows_the_adapter_describes(
     conn: psycopg.Connection[dict[str, Any]], operations: list[dict[str, Any]]
 ) -> None:
     """Every command, recovery ones included, leaves through the outbox: issue_command
-    writes the attempts row and the outbox row adapter._rows describes, under the
+    writes the attempts row and the outbox row commands._rows describes, under the
     operation row's lock, and returns the request id."""
     before = datetime.now(UTC)
     for row in operations[:6]:
@@ -626,7 +629,7 @@ def test_a_new_attempt_is_issued_with_the_new_attempts_digest(
     adapter's new_attempt does; query and cancel then ask about that attempt."""
     before = datetime.now(UTC)
     for row in operations[6:10]:
-        python = adapter.submit(adapter.Pinned.from_row(row, attempt=2))
+        python = commands.submit(commands.Pinned.from_row(row, attempt=2))
         with conn.transaction():
             conn.execute("SELECT 1 FROM custody.operations WHERE id = %s FOR UPDATE", (row["id"],))
             conn.execute(

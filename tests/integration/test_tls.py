@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Env
-from workers import broker, errors
+from workers import errors
+from workers.io import broker
 
 
 @pytest.fixture

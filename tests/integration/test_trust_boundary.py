@@ -19,7 +19,7 @@ from contracts import codec, identity
 from contracts.models import OperationReceipt, ReceiptError
 from tests.conftest import MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
-from workers import broker
+from workers.io import broker
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The pinned patch of the AMQP frame decoder (workers.amqp_frames): it agrees with
+"""The pinned patch of the AMQP frame decoder (workers.io.amqp_frames): it agrees with
 pamqp on everything pamqp can decode, never raises on what a publisher controls, and
 fails loudly if an upgrade changes what it patches."""
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pamqp import commands, exceptions, header
 
 from tests.amqp_raw import F, content_header, properties, short, table
-from workers import amqp_frames, broker
+from workers.io import amqp_frames, broker
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT_STRINGS = [
@@ -109,7 +109,7 @@ def test_only_the_broker_imports_the_patch() -> None:
         for p in (ROOT / d).rglob("*.py")
         if "amqp_frames" in p.read_text() and p.name != "amqp_frames.py"
     )
-    assert importers == ["workers/broker.py"]
+    assert importers == ["workers/io/broker.py"]
 
 
 # Agreement with pamqp on what it can decode -----------------------------------------

@@ -17,12 +17,12 @@ One operation of one instance. The engine side is an ``OperationView`` plus the
 instance status, changed only through the real pure logic: ``lifecycle.next_status``
 for the confirm, deadline, cancel, reconcile, query-none, query-timeout and
 retry-safe events, and ``validation.decide`` for every receipt the engine is handed;
-the result is applied the way ``workers/receipts.py`` applies it (``_one``,
+the result is applied the way ``workers/engine/receipts.py`` applies it (``_one``,
 ``_apply``, ``_no_news``) and cancels the way ``operator.cancel_in`` issues them.
-Commands and receipts are the real wire models (commands built by ``workers.adapter``,
+Commands and receipts are the real wire models (commands built by ``workers.core.commands``,
 receipts by the participant runtime's own ``_receipt``).
 
-The participant is a small model of ``workers/participant.py``'s rules: an inbox by
+The participant is a small model of ``workers/participant/service.py``'s rules: an inbox by
 request id, tombstones, an effects counter and a journal of receipts. The broker is
 two bags of in-flight messages, delivered in any order, duplicated or dropped.
 """
@@ -55,9 +55,10 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import adapter, lifecycle, participant, validation
-from workers.lifecycle import IGNORE, TERMINAL, Effect, Event, InstanceStatus, Status
-from workers.validation import IssuedRequest, OperationView, Verdict
+from workers.core import commands, lifecycle, validation
+from workers.core.lifecycle import IGNORE, TERMINAL, Effect, Event, InstanceStatus, Status
+from workers.core.validation import IssuedRequest, OperationView, Verdict
+from workers.participant import service
 
 T0 = datetime(2024, 1, 1, 12, 0, tzinfo=UTC)
 TENANT = "acme"
@@ -75,7 +76,7 @@ LINEAGE = {
 }
 INPUT = {"sku": "A-1", "qty": 1}
 CHANGED_INPUT = {"sku": "A-1", "qty": 9}
-ME = participant.Identity(owner=OWNER, principal=PRINCIPAL, bindings=frozenset({BINDING}))
+ME = service.Identity(owner=OWNER, principal=PRINCIPAL, bindings=frozenset({BINDING}))
 # the node's retry policy (process.RetryPolicy.allows): transient failures, 3 attempts
 MAX_ATTEMPTS = 3
 RETRY_ON = frozenset({"transient"})
@@ -89,8 +90,8 @@ Command = SubmitCommand | QueryCommand | CancelCommand
 Message = OperationReceipt | QueryAnswer
 
 
-def pinned(attempt: int, input_: dict[str, Any] = INPUT) -> adapter.Pinned:
-    return adapter.Pinned(
+def pinned(attempt: int, input_: dict[str, Any] = INPUT) -> commands.Pinned:
+    return commands.Pinned(
         operation_id=OP_ID,
         tenant=TENANT,
         attempt=attempt,
@@ -103,13 +104,13 @@ def pinned(attempt: int, input_: dict[str, Any] = INPUT) -> adapter.Pinned:
     )
 
 
-def built(rows: adapter.CommandRows) -> Command:
+def built(rows: commands.CommandRows) -> Command:
     """The command exactly as the participant decodes it off the wire."""
     command: Command = codec.decode_command(rows.outbox_row["body"])
     return command
 
 
-# --- the participant: a model of workers/participant.py's rules -----------------------
+# --- the participant: a model of workers/participant/service.py's rules -----------------------
 
 
 @dataclass
@@ -131,7 +132,7 @@ class ParticipantModel:
         self.journal: dict[str, list[OperationReceipt]] = {}  # by request id, by revision
 
     def _say(self, entry: Entry, in_reply_to: str, **extra: Any) -> list[Message]:
-        receipt = participant._receipt(
+        receipt = service._receipt(
             entry.ident,
             ME,
             status=entry.status,
@@ -176,7 +177,7 @@ class ParticipantModel:
             return self._say(entry, c.request_id)
         if known.digest == c.digest:
             return self._reemit(c.request_id)
-        conflict = participant._receipt(  # answered, recorded, never journaled or executed
+        conflict = service._receipt(  # answered, recorded, never journaled or executed
             known.ident,
             ME,
             status="rejected",
@@ -241,7 +242,7 @@ class ParticipantModel:
         return self._say(entry, request_id, error=ReceiptError(code=outcome, message="no"))
 
 
-# --- the engine: the real pure logic, applied like workers/receipts.py ----------------
+# --- the engine: the real pure logic, applied like workers/engine/receipts.py ----------------
 
 
 class EngineModel:
@@ -270,14 +271,14 @@ class EngineModel:
         self.history: list[Status] = [Status.PENDING]
 
     # commands (adapter + the issued record, as the outbox transaction writes them)
-    def _issue(self, rows: adapter.CommandRows, kind: str) -> Command:
+    def _issue(self, rows: commands.CommandRows, kind: str) -> Command:
         self.issued[rows.request_id] = IssuedRequest(
             rows.request_id, OP_ID, self.view.attempt, kind, rows.digest
         )
         return built(rows)
 
     def _issue_submit(self) -> SubmitCommand:
-        command = self._issue(adapter.submit(pinned(self.view.attempt)), "submit")
+        command = self._issue(commands.submit(pinned(self.view.attempt)), "submit")
         assert isinstance(command, SubmitCommand)
         return command
 
@@ -311,7 +312,7 @@ class EngineModel:
 
     def reconcile(self) -> QueryCommand:
         self._event(Event.RECONCILE)
-        rows = adapter.query(pinned(self.view.attempt), sequence=self._next_sequence("query"))
+        rows = commands.query(pinned(self.view.attempt), sequence=self._next_sequence("query"))
         command = self._issue(rows, "query")
         assert isinstance(command, QueryCommand)
         return command
@@ -345,7 +346,7 @@ class EngineModel:
             else:
                 self._set(target)
         if self.view.status is Status.CANCELLING:
-            rows = adapter.cancel(
+            rows = commands.cancel(
                 pinned(self.view.attempt), reason="ops", sequence=self._next_sequence("cancel")
             )
             issued = self._issue(rows, "cancel")
@@ -539,7 +540,7 @@ class CancellationRaces(RuleBasedStateMachine):
     @precondition(lambda self: self.engine.submit_request_id in self.part.inbox)
     @rule()
     def participant_gets_changed_input_under_the_same_identity(self) -> None:
-        command = built(adapter.submit(pinned(self.engine.view.attempt, CHANGED_INPUT)))
+        command = built(commands.submit(pinned(self.engine.view.attempt, CHANGED_INPUT)))
         assert command.request_id == self.engine.submit_request_id
         for message in self.part.deliver(command):
             self.receipts.append((message, PRINCIPAL))

@@ -31,7 +31,7 @@ from contracts.models import (
     SubmitCommand,
     Target,
 )
-from workers.validation import REASONS
+from workers.core.validation import REASONS
 
 FAST = settings(deadline=None, database=None, max_examples=100)
 Decoder = Callable[[bytes], Any]

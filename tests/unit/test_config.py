@@ -1,4 +1,4 @@
-"""One frozen settings object, built once from the environment (workers/config.py).
+"""One frozen settings object, built once from the environment (workers/settings.py).
 
 "Configuration is missing or invalid: refuse to start, say what and why." Secrets may
 come from *_FILE variables (Docker and Kubernetes secrets) and never appear in
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import Settings
 from workers.errors import ConfigError, CustodyError
+from workers.settings import Settings
 
 
 def test_no_environment_gives_the_defaults() -> None:

@@ -1,4 +1,4 @@
-"""A definition is validated against the contracts when it is loaded (workers/process.py).
+"""A definition is validated against the contracts when it is loaded (workers/core/process.py).
 
 "ServiceCommand and OperationReceipt represent the documented command and receipt
 boundaries. A command binds its tenant, target, operation, attempt, immutable input and
@@ -25,9 +25,9 @@ from pydantic import ValidationError
 from contracts import digest
 from contracts.models import Lineage
 from tests.unit.test_process import ORDER, ORDER_FILE, ROUTES, order, with_node, write
-from workers import process
-from workers.config import ROOT
-from workers.process import DefinitionError
+from workers.core import process
+from workers.core.process import DefinitionError
+from workers.settings import ROOT
 
 NAME_RULE = re.escape("must match ^[a-z0-9][a-z0-9_.\\-]{0,62}$")
 FILE = "order-fulfilment.v1.toml"

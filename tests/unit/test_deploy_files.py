@@ -29,8 +29,12 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from workers import authz, broker, cli, fleet, metrics, routes
-from workers.config import PREFIX, ROOT, Settings
+from workers import provision
+from workers.core import authz, routes
+from workers.harness import fleet
+from workers.io import broker
+from workers.runtime import metrics
+from workers.settings import PREFIX, ROOT, Settings
 
 DEPLOY = ROOT / "deploy"
 OPERATORS = authz.load(DEPLOY / "operators.toml").operators
@@ -41,7 +45,7 @@ PARTICIPANTS = sorted({r.owner for r in ROUTES.by_name.values()})
 ENGINE = list(fleet.ENGINE_WORKERS)
 WORKER_TYPES = ENGINE + [f"participant-{name}" for name in PARTICIPANTS]
 SETTINGS = {PREFIX + f.name.upper() for f in fields(Settings)}
-# Read from the environment outside Settings: workers.db (where the SQL files live).
+# Read from the environment outside Settings: workers.io.db (where the SQL files live).
 # (No operator name: an operator is the Postgres login of CUSTODY_DATABASE_URL.)
 OTHER_VARIABLES = {"CUSTODY_SQL_DIR"}
 # The administrators: only the migration connects as them.
@@ -550,7 +554,7 @@ def test_compose_engine_workers_connect_as_their_own_role_and_broker_user(worker
     assert _user(urls["CUSTODY_AMQP_URL"]) == f"custody-{worker}"
     assert f"custody-{worker}" in broker.permissions({})
     assert _password(urls["CUSTODY_AMQP_URL"]) == fleet.DEV_PASSWORD
-    # exactly how the demo and the tests connect it (workers.fleet.role_env)
+    # exactly how the demo and the tests connect it (workers.harness.fleet.role_env)
     expected = fleet.role_env(worker, None, _admin_env())
     conninfo = psycopg.conninfo.conninfo_to_dict
     assert conninfo(urls["CUSTODY_DATABASE_URL"]) == conninfo(expected["CUSTODY_DATABASE_URL"])
@@ -561,7 +565,7 @@ def test_compose_engine_workers_connect_as_their_own_role_and_broker_user(worker
 def test_compose_participants_connect_as_their_own_role_and_broker_user(name: str) -> None:
     urls = _urls(_custody_services()[f"participant-{name}"])
     [principal] = {r.principal for r in ROUTES.owned_by(name)}
-    assert _user(urls["CUSTODY_PARTICIPANT_DATABASE_URL"]) == cli.participant_role(name)
+    assert _user(urls["CUSTODY_PARTICIPANT_DATABASE_URL"]) == provision.participant_role(name)
     assert _user(urls["CUSTODY_AMQP_URL"]) == principal
     expected = fleet.role_env("participant", name, _admin_env())
     conninfo = psycopg.conninfo.conninfo_to_dict
@@ -631,7 +635,7 @@ def test_every_custody_variable_is_a_setting() -> None:
             and key.removesuffix("_FILE") not in SETTINGS
         }
     )
-    assert not unknown, f"CUSTODY_* names that workers.config.Settings does not read: {unknown}"
+    assert not unknown, f"CUSTODY_* names that workers.settings.Settings does not read: {unknown}"
 
 
 # docs/deploy.md --------------------------------------------------------------------
@@ -667,7 +671,9 @@ def test_documented_secrets_name_each_workers_own_role_and_broker_user() -> None
         assert mine, participant
         for keys in mine:
             assert set(keys) == {"participant-database-url", "amqp-url"}, keys
-            assert _user(keys["participant-database-url"]) == cli.participant_role(participant)
+            assert _user(keys["participant-database-url"]) == provision.participant_role(
+                participant
+            )
             assert _user(keys["amqp-url"]) == principal
     # one Secret per operator login, custody-operator-<login>; no shared one
     assert "custody-operator" not in names
@@ -736,7 +742,7 @@ def test_documented_roles_are_the_roles_the_migration_creates() -> None:
     placeholders = {"custody_participant_<name>", "<operator>"}
     assert roles - placeholders == _schema_roles()
     assert placeholders <= roles
-    assert cli.participant_role("<name>") == "custody_participant_<name>"
+    assert provision.participant_role("<name>") == "custody_participant_<name>"
     # the DBA's statements: a login per operator, and no shared operator role any more
     created = set(re.findall(r'^CREATE ROLE "?([a-z_-]+)"?\s+LOGIN\b', DOCS.read_text(), re.M))
     assert _operator_logins() <= created

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workers import lifecycle
-from workers.lifecycle import (
+from workers.core import lifecycle
+from workers.core.lifecycle import (
     IGNORE,
     TERMINAL,
     TRANSITIONS,
@@ -385,7 +385,7 @@ def test_python_enums_match_the_schema_enums(type_name: str, enum: type) -> None
 
 
 def _schema_pairs(table: str) -> set[tuple[str, str]]:
-    from workers.config import ROOT
+    from workers.settings import ROOT
 
     text = (ROOT / "schema.sql").read_text()
     start = text.index(f"INSERT INTO custody.{table} (from_status, to_status) VALUES")
@@ -396,7 +396,7 @@ def _schema_pairs(table: str) -> set[tuple[str, str]]:
 def test_the_database_guard_allows_exactly_the_lifecycle_tables_changes() -> None:
     """schema.sql's transition tables (the trigger that refuses any other status change,
     whoever attempts it) are the Python lifecycle's, pair for pair."""
-    from workers.lifecycle import INSTANCE_TRANSITIONS, status_changes
+    from workers.core.lifecycle import INSTANCE_TRANSITIONS, status_changes
 
     ops = {(a.value, b.value) for a, b in status_changes()}
     assert _schema_pairs("operation_transitions") == ops
@@ -414,8 +414,8 @@ def test_the_controlled_commands_follow_the_lifecycle_table_event_for_event() ->
     rows directly." Those commands live in the database (transitions.sql) and look each
     transition up in custody.operation_events: that table is the Python lifecycle's,
     row for row, for every event a command takes."""
-    from workers.config import ROOT
-    from workers.lifecycle import TRANSITIONS, Status
+    from workers.core.lifecycle import TRANSITIONS, Status
+    from workers.settings import ROOT
 
     text = (ROOT / "transitions.sql").read_text()
     start = text.index("INSERT INTO custody.operation_events (from_status, event, to_status)")

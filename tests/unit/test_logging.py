@@ -1,6 +1,6 @@
 """workers.runtime.JsonFormatter: one JSON object per line, stable keys, never a crash.
 
-Lines go through the real ``runtime.event`` path into a handler with the real formatter,
+Lines go through the real ``logs.event`` path into a handler with the real formatter,
 and are checked against tests/fixtures/log_event.schema.json with ``check-jsonschema``
 (installed into .venv-tools by scripts/install-lint-tools.sh), the same schema the
 acceptance tier applies to real worker logs.
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from workers import runtime
-from workers.config import ROOT
+from workers.runtime import logs
+from workers.settings import ROOT
 
 SCHEMA = ROOT / "tests" / "fixtures" / "log_event.schema.json"
 CHECK_JSONSCHEMA = ROOT / ".venv-tools" / "bin" / "check-jsonschema"
@@ -36,7 +36,7 @@ def stream() -> Iterator[io.StringIO]:
     """The ``custody`` logger writing through the real JsonFormatter into a buffer."""
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
-    handler.setFormatter(runtime.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter())
     logger = logging.getLogger("custody")
     old_level, old_propagate = logger.level, logger.propagate
     logger.addHandler(handler)
@@ -99,7 +99,7 @@ def test_the_schema_itself_is_a_valid_draft_2020_12_schema() -> None:
 def test_an_event_with_fields_is_one_json_line_with_the_stable_keys(
     stream: io.StringIO, tmp_path: Path
 ) -> None:
-    runtime.event(
+    logs.event(
         "outbox.publish_failed",
         logging.WARNING,
         owner="engine",
@@ -134,7 +134,7 @@ def test_an_event_with_fields_is_one_json_line_with_the_stable_keys(
     ],
 )
 def test_levels_are_lower_case_names(stream: io.StringIO, level: int, name: str) -> None:
-    runtime.event("worker.started", level, worker="committer")
+    logs.event("worker.started", level, worker="committer")
     assert one_object(stream)["level"] == name
 
 
@@ -166,7 +166,7 @@ def test_non_json_serialisable_fields_do_not_crash_the_formatter(
 ) -> None:
     when = dt.datetime(2024, 5, 1, 12, 30, tzinfo=dt.UTC)
     ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
-    runtime.event(
+    logs.event(
         "unit.retry",
         logging.WARNING,
         when=when,
@@ -200,7 +200,7 @@ def test_a_field_whose_str_raises_still_yields_one_json_line(stream: io.StringIO
 
         __repr__ = __str__
 
-    runtime.event("unit.retry", logging.WARNING, thing=Hostile(), attempt=2)
+    logs.event("unit.retry", logging.WARNING, thing=Hostile(), attempt=2)
     obj = one_object(stream)
     assert obj["event"] == "unit.retry" and obj["attempt"] == 2
     assert isinstance(obj["thing"], str)
@@ -209,14 +209,14 @@ def test_a_field_whose_str_raises_still_yields_one_json_line(stream: io.StringIO
 def test_a_dict_field_with_non_string_keys_does_not_crash_the_formatter(
     stream: io.StringIO,
 ) -> None:
-    runtime.event("outbox.stats", counts={("engine", "pending"): 3, 7: 1})
+    logs.event("outbox.stats", counts={("engine", "pending"): 3, 7: 1})
     obj = one_object(stream)
     assert obj["event"] == "outbox.stats"
     assert isinstance(obj["counts"], dict) and len(obj["counts"]) == 2
 
 
 def test_nan_and_infinity_are_not_written_as_invalid_json(stream: io.StringIO) -> None:
-    runtime.event("metrics.sampled", ratio=float("nan"), age=float("-inf"))
+    logs.event("metrics.sampled", ratio=float("nan"), age=float("-inf"))
     line = lines_of(stream)[0]
     constants: list[str] = []
     obj = json.loads(line, parse_constant=constants.append)
@@ -225,7 +225,7 @@ def test_nan_and_infinity_are_not_written_as_invalid_json(stream: io.StringIO) -
 
 
 def test_fields_cannot_replace_the_stable_keys(stream: io.StringIO) -> None:
-    runtime.event("worker.started", ts="yesterday", logger="someone-else", worker="x")
+    logs.event("worker.started", ts="yesterday", logger="someone-else", worker="x")
     obj = one_object(stream)
     assert obj["event"] == "worker.started"
     assert obj["logger"] == "custody"
@@ -244,7 +244,7 @@ def test_a_third_party_record_gets_a_stable_event_name_and_keeps_its_message(
         ("amqp://guest:******@127.0.0.1:5672/", "ConnectionResetError", 5),
         None,
     )
-    obj = json.loads(runtime.JsonFormatter().format(record))
+    obj = json.loads(logs.JsonFormatter().format(record))
     assert obj["logger"] == "aio_pika.robust_connection"
     assert "Connection attempt" in json.dumps(obj), "the library's message is kept"
     assert not schema_errors([obj], tmp_path)

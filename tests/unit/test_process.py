@@ -1,4 +1,4 @@
-"""Versioned process definitions and the pure decisions over them (workers/process.py).
+"""Versioned process definitions and the pure decisions over them (workers/core/process.py).
 
 "A process author names a route, never a URL or queue." "Process definitions are
 versioned files; an instance pins its definition version." A definition that does
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from workers import process, routes
-from workers.process import END_COMPLETED, END_FAILED, DefinitionError, InputError
+from workers.core import process, routes
+from workers.core.process import END_COMPLETED, END_FAILED, DefinitionError, InputError
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTES = routes.load(ROOT / "deploy" / "routes.toml")

@@ -1,4 +1,4 @@
-"""Trusted executor routes (DESIGN §5, workers/routes.py).
+"""Trusted executor routes (DESIGN §5, workers/core/routes.py).
 
 "The documented ExecutorRoute is trusted deployment configuration, not a URL supplied
 by a process author." A malformed routes file is refused at start-up with
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from contracts.models import ExecutorRoute
-from workers import routes
-from workers.routes import RouteConfigError
+from workers.core import routes
+from workers.core.routes import RouteConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYED = ROOT / "deploy" / "routes.toml"

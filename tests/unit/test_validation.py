@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from contracts import digest, identity
 from contracts.models import OperationReceipt, ReceiptError
-from workers import lifecycle
-from workers.lifecycle import Effect, Status
-from workers.validation import (
+from workers.core import lifecycle
+from workers.core.lifecycle import Effect, Status
+from workers.core.validation import (
     REASONS,
     Decision,
     IssuedRequest,

@@ -1,19 +1,18 @@
-"""The retention horizon: how long receipts, inbox rows and tombstones are kept.
+"""The retention horizon: how long receipts, inbox rows and tombstones are kept. Pure.
 
 "Receipt retention and deduplication history must cover every permitted retry,
 replay and restore horizon." :func:`check` refuses, at start-up, a configuration
-whose horizon is shorter; :func:`cleanup` removes what is older, in batches.
+whose horizon is shorter; the engine's and each participant's cleanup remove what is
+older (``workers.engine.retention``, ``workers.participant.retention``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers import db, process
-from workers.config import Settings
+from workers.core import process
 from workers.errors import ConfigError
-
-BATCH = 1000
+from workers.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -47,33 +46,3 @@ def check(settings: Settings, catalog: process.Catalog) -> None:
             f"({settings.restore_horizon_s:g}s) = {needed:g}s: a permitted retry, replay or "
             "restore could then find its deduplication history gone"
         )
-
-
-async def cleanup_engine(
-    database: db.Database, horizon_s: float, lease: db.Lease | None = None
-) -> dict[str, int]:
-    removed = {"receipt_inbox": 0, "outbox": 0, "quarantine": 0}
-    for table, query in (
-        ("receipt_inbox", "retention_receipts"),
-        ("outbox", "retention_outbox"),
-        ("quarantine", "retention_quarantine"),
-    ):
-        while True:
-            async with database.transaction(lease) as tx:
-                n = await tx.run(query, {"horizon": horizon_s, "limit": BATCH})
-            removed[table] += n
-            if n < BATCH:
-                break
-    return removed
-
-
-async def cleanup_participant(database: db.Database, horizon_s: float) -> dict[str, int]:
-    removed = {"inbox": 0, "outbox": 0}
-    for table, query in (("inbox", "p_retention_inbox"), ("outbox", "p_retention_outbox")):
-        while True:
-            async with database.transaction() as tx:
-                n = await tx.run(query, {"horizon": horizon_s, "limit": BATCH})
-            removed[table] += n
-            if n < BATCH:
-                break
-    return removed

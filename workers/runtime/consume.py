@@ -15,8 +15,10 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from workers import broker, errors, faults, metrics, runtime
-from workers.config import Settings
+from workers import errors
+from workers.io import broker
+from workers.runtime import batching, faults, logs, metrics, supervisor
+from workers.settings import Settings
 
 Handle = Callable[[Sequence[broker.Delivery]], Awaitable[Any]]
 
@@ -26,7 +28,7 @@ async def run(
     queues: Sequence[str],
     *,
     settings: Settings,
-    stop: runtime.Stop,
+    stop: supervisor.Stop,
     worker: str,
     handle: Handle,
     on_fenced: Callable[[], Awaitable[Any]],
@@ -48,7 +50,7 @@ async def run(
             async with amqp.consume(queues, settings.prefetch) as inbox:
                 attempt = 0
                 while not stop.requested:
-                    batch = await runtime.next_batch(
+                    batch = await batching.next_batch(
                         inbox, stop, size=settings.batch_size, linger_s=settings.linger_ms / 1000
                     )
                     if not batch:
@@ -74,7 +76,7 @@ async def run(
             # robust connection restores consumers that were already running)
             if exc.kind is errors.Retry.FATAL or stop.requested:
                 raise
-            runtime.event(
+            logs.event(
                 "consumer.retry",
                 logging.WARNING,
                 worker=worker,
@@ -90,7 +92,7 @@ async def process(
     batch: Sequence[broker.Delivery],
     *,
     worker: str,
-    stop: runtime.Stop,
+    stop: supervisor.Stop,
     handle: Handle,
     on_fenced: Callable[[], Awaitable[Any]],
     dead: broker.Publisher | None,
@@ -108,7 +110,7 @@ async def process(
         return stop.requested or broken
 
     try:
-        await runtime.redo(lambda: unit(batch), worker=worker, stop=stop, on_fenced=on_fenced)
+        await supervisor.redo(lambda: unit(batch), worker=worker, stop=stop, on_fenced=on_fenced)
         return
     except Exception as exc:
         if nobody_to_blame(exc):
@@ -116,7 +118,7 @@ async def process(
         if len(batch) == 1:
             await dead_letter(batch[0], worker=worker, error=exc, dead=dead)
             return
-        runtime.event(
+        logs.event(
             "consumer.batch_failed",
             logging.WARNING,
             worker=worker,
@@ -125,7 +127,7 @@ async def process(
         )
     for d in batch:
         try:
-            await runtime.redo(
+            await supervisor.redo(
                 functools.partial(unit, [d]), worker=worker, stop=stop, on_fenced=on_fenced
             )
         except Exception as exc:
@@ -139,7 +141,7 @@ async def dead_letter(
 ) -> None:
     reason = f"{type(error).__name__}: {error}"[:500]
     metrics.DEAD_LETTERED.labels(worker).inc()
-    runtime.event(
+    logs.event(
         "consumer.dead_lettered",
         logging.ERROR,
         worker=worker,

@@ -15,14 +15,18 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import orjson
 
 from contracts import codec
-from workers import broker, db, engine, errors, process, retention, routes, runtime
-from workers.config import ROOT, Settings
+from workers import errors, provision
+from workers.core import horizon, process, routes
+from workers.engine import retention as engine_retention
+from workers.io import broker, db
+from workers.participant import retention as participant_retention
+from workers.runtime import logs, supervisor
+from workers.settings import ROOT, Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
 
@@ -41,114 +45,32 @@ def _print(data: Any, as_json: bool) -> None:
 
 
 async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
-    await db.ensure_database(settings.database_url)
-    await db.apply_script(settings.database_url, db.SQL_DIR / "schema.sql")
-    await db.apply_script(settings.database_url, db.SQL_DIR / "commands.sql")
-    await db.apply_script(settings.database_url, db.SQL_DIR / "transitions.sql")
-    print("engine schema applied")
-    if await asyncio.to_thread(Path(settings.operators_file).exists):
-        await sync_operators(settings, settings.operators_file, create_logins=False)
-    if args.participants:
-        await db.ensure_database(settings.participant_database_url)
-        table, _ = engine.load_config(settings)
-        for owner in sorted({r.owner for r in table.by_name.values()}):
-            await migrate_participant(settings, owner)
-            print(f"participant schema participant_{owner} applied")
+    await provision.migrate(settings, participants=args.participants)
     return EXIT_OK
-
-
-async def migrate_participant(settings: Settings, owner: str) -> None:
-    schema = participant_schema(owner)
-    await db.apply_script(
-        settings.participant_database_url, db.SQL_DIR / "participant_schema.sql", schema=schema
-    )
-    await db.apply_script(
-        settings.participant_database_url, ROOT / "participants" / "samples.sql", schema=schema
-    )
-    await db.grant_schema(settings.participant_database_url, schema, participant_role(owner))
-
-
-def participant_role(owner: str) -> str:
-    """The participant's own Postgres role: its schema, and nothing else."""
-    return f"custody_participant_{owner}"
-
-
-def participant_schema(owner: str) -> str:
-    return f"participant_{owner}"
 
 
 async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
-    table, _ = engine.load_config(settings)
-    amqp = broker.Broker(settings.amqp_url, "topology", engine.tls(settings))
-    await amqp.connect()
-    try:
-        plan = await broker.apply_topology(
-            amqp, table.bindings(), settings.delivery_limit, settings.amqp_management_url
-        )
-    finally:
-        await amqp.close()
-    print(
-        f"declared {len(plan['exchanges'])} exchanges, {len(plan['queues'])} quorum queues, "
-        f"{len(plan['bindings'])} bindings; policy {broker.POLICY_NAME} "
-        f"(dead-letter-exchange {broker.EXCHANGE_DEAD}, delivery-limit {settings.delivery_limit})"
-    )
-    return EXIT_OK
-
-
-async def sync_operators(settings: Settings, path: str, *, create_logins: bool) -> int:
-    """deploy/operators.toml into the engine database (who may do what, per tenant)."""
-    from workers import authz
-
-    roles = authz.load(Path(path))
-    found = await db.sync_operators(
-        settings.database_url,
-        {name: (sorted(g.actions), sorted(g.tenants)) for name, g in roles.operators.items()},
-        create_logins=create_logins,
-    )
-    print(
-        f"operators: {len(roles.operators)} from {path}; logins in custody_operators: "
-        f"{', '.join(found.members) or 'none'}"
-        + (f"; created {', '.join(found.created)}" if found.created else "")
-        + (
-            f"; no login role (broker-only): {', '.join(found.without_login)}"
-            if found.without_login
-            else ""
-        )
-    )
+    await provision.apply_topology(settings)
     return EXIT_OK
 
 
 async def cmd_operators_apply(settings: Settings, args: argparse.Namespace) -> int:
-    return await sync_operators(
+    await provision.sync_operators(
         settings, args.file or settings.operators_file, create_logins=args.create_logins
     )
+    return EXIT_OK
 
 
 async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
-    """One broker user per engine worker type and per participant principal, with only
-    the permissions its boundary needs (development and tests: one shared password)."""
-    table, _ = engine.load_config(settings)
-    vhost = broker.vhost_of(settings.amqp_url)
-    plan = broker.permissions({r.principal: r.binding for r in table.by_name.values()})
-    for user, (configure, write, read) in plan.items():
-        await broker.ensure_user(
-            settings.amqp_management_url,
-            user,
-            args.password,
-            vhost,
-            configure=configure,
-            write=write,
-            read=read,
-        )
-        print(f"broker user {user}: configure {configure} write {write} read {read}")
+    await provision.dev_users(settings, args.password)
     return EXIT_OK
 
 
 async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
-    runtime.setup_logging(settings.log_format)
+    logs.setup_logging(settings.log_format)
     if args.worker == "participant":
         return await run_participant(settings, args.name)
-    from workers import committer, publisher, receipts, reconciler
+    from workers.engine import committer, publisher, receipts, reconciler
 
     mains = {
         "committer": committer.main,
@@ -156,22 +78,23 @@ async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
         "receipts": receipts.main,
         "reconciler": reconciler.main,
     }
-    return await runtime.run(
+    return await supervisor.run(
         args.worker,
         lambda stop, health: mains[args.worker](settings, stop, health),
         metrics_port=settings.metrics_port,
+        grace_s=settings.drain_grace_s,
     )
 
 
 async def run_participant(settings: Settings, name: str | None) -> int:
     from participants import samples
-    from workers import participant
+    from workers.participant import service
 
     if not name or name not in samples.HANDLERS:
         print(f"--name must be one of {sorted(samples.HANDLERS)}", file=sys.stderr)
         return EXIT_USAGE
-    table, catalog = engine.load_config(settings)
-    retention.check(settings, catalog)
+    table, catalog = process.load_config(settings)
+    horizon.check(settings, catalog)
     owned = table.owned_by(name)
     principals = {r.principal for r in owned}
     if len(principals) != 1:
@@ -182,15 +105,21 @@ async def run_participant(settings: Settings, name: str | None) -> int:
             f"participant {name} must connect as its principal {principal!r}, "
             f"not {broker.user_of(settings.amqp_url)!r} (RabbitMQ validates user_id)"
         )
-    me = participant.Identity(
+    me = service.Identity(
         owner=name, principal=principal, bindings=frozenset(r.binding for r in owned)
     )
-    return await runtime.run(
+    return await supervisor.run(
         f"participant-{name}",
-        lambda stop, health: participant.serve(
-            me, samples.HANDLERS[name], settings, stop, health, schema=participant_schema(name)
+        lambda stop, health: service.serve(
+            me,
+            samples.HANDLERS[name],
+            settings,
+            stop,
+            health,
+            schema=provision.participant_schema(name),
         ),
         metrics_port=settings.metrics_port,
+        grace_s=settings.drain_grace_s,
     )
 
 
@@ -200,7 +129,7 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
     except orjson.JSONDecodeError as exc:
         print(f"--input is not JSON: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    amqp = broker.Broker(settings.amqp_url, "cli", engine.tls(settings))
+    amqp = broker.Broker(settings.amqp_url, "cli", broker.tls(settings))
     await amqp.connect()
     try:
         pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
@@ -240,7 +169,8 @@ async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
     if args.participant:
         async with (
             db.connected(
-                settings.participant_database_url, schema=participant_schema(args.participant)
+                settings.participant_database_url,
+                schema=provision.participant_schema(args.participant),
             ) as database,
             database.transaction() as tx,
         ):
@@ -304,7 +234,7 @@ async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
 async def _operator_command(settings: Settings, args: argparse.Namespace, call: Any) -> int:
     """Run a controlled command as the login of ``CUSTODY_DATABASE_URL``: the database
     takes the actor from that authenticated role (``session_user``), never from input."""
-    from workers import operator
+    from workers.engine import transitions
 
     if getattr(args, "actor", None) or os.environ.get("CUSTODY_OPERATOR"):
         print(
@@ -314,16 +244,16 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
         )
         return EXIT_USAGE
     async with db.connected(settings.database_url, schema="custody") as database:
-        outcome = await call(operator.Operator(database))
+        outcome = await call(transitions.Operator(database))
     codes = {
-        operator.Result.DONE: EXIT_OK,
-        operator.Result.REFUSED: EXIT_REFUSED,
-        operator.Result.NOT_FOUND: EXIT_NOT_FOUND,
+        transitions.Result.DONE: EXIT_OK,
+        transitions.Result.REFUSED: EXIT_REFUSED,
+        transitions.Result.NOT_FOUND: EXIT_NOT_FOUND,
     }
     if args.json:
         _print({"result": outcome.result.value, "message": outcome.message, **outcome.data}, True)
     else:
-        stream = sys.stdout if outcome.result is operator.Result.DONE else sys.stderr
+        stream = sys.stdout if outcome.result is transitions.Result.DONE else sys.stderr
         print(f"{outcome.result.value}: {outcome.message}", file=stream)
     return codes[outcome.result]
 
@@ -413,16 +343,16 @@ def _uuid(value: str) -> bool:
 
 
 async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
-    from workers import operator, restore
+    from workers.engine import restore, transitions
 
     step = args.restore_command
     if step == "report":
         engine_db = db.Database(settings.database_url, schema="custody", name="cli", max_size=1)
-        table, _ = engine.load_config(settings)
+        table, _ = process.load_config(settings)
         journals = {
             owner: db.Database(
                 settings.participant_database_url,
-                schema=participant_schema(owner),
+                schema=provision.participant_schema(owner),
                 name="cli",
                 max_size=1,
             )
@@ -438,7 +368,7 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
         _print(result, True)
         return EXIT_OK
 
-    async def call(op: operator.Operator) -> operator.Outcome:
+    async def call(op: transitions.Operator) -> transitions.Outcome:
         runbook = restore.Restore(op)
         if step == "mark-restored":
             return await runbook.mark_restored(None, args.reason)
@@ -450,16 +380,16 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
-    _, catalog = engine.load_config(settings)
-    retention.check(settings, catalog)
+    _, catalog = process.load_config(settings)
+    horizon.check(settings, catalog)
     if args.participant:
         async with db.connected(
-            settings.participant_database_url, schema=participant_schema(args.participant)
+            settings.participant_database_url, schema=provision.participant_schema(args.participant)
         ) as database:
-            removed = await retention.cleanup_participant(database, settings.retention_s)
+            removed = await participant_retention.cleanup(database, settings.retention_s)
     else:
         async with db.connected(settings.database_url, schema="custody") as database:
-            removed = await retention.cleanup_engine(database, settings.retention_s)
+            removed = await engine_retention.cleanup(database, settings.retention_s)
     _print({"horizon_s": settings.retention_s, "removed": removed}, args.json)
     return EXIT_OK
 
@@ -473,11 +403,11 @@ async def cmd_definitions_check(settings: Settings, args: argparse.Namespace) ->
         processes_dir=args.dir or settings.processes_dir,
     )
     try:
-        table, catalog = engine.load_config(checked)
+        table, catalog = process.load_config(checked)
     except (routes.RouteConfigError, process.DefinitionError) as exc:
         print(f"custody: definitions refused: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    retention.check(checked, catalog)
+    horizon.check(checked, catalog)
     versions = ", ".join(f"{n} v{v}" for n, v in sorted(catalog.definitions))
     print(
         f"definitions ok: {len(catalog.definitions)} in {checked.processes_dir} ({versions}) "
@@ -492,7 +422,7 @@ async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    from workers import demo
+    from workers.harness import demo
 
     return await demo.run(settings, instances=args.instances, replicas=args.replicas)
 

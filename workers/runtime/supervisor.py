@@ -11,139 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
-import re
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from workers import errors
-
-log = logging.getLogger("custody")
-
-
-_STABLE = ("ts", "level", "event", "logger")
-_EVENT_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
-
-
-def _text(value: object) -> str:
-    try:
-        return str(value)
-    except Exception:
-        return f"<unprintable {type(value).__name__}>"
-
-
-def _plain(value: object, depth: int = 0) -> Any:
-    """A JSON-safe copy: strings for anything exotic, no NaN, keys as strings."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else _text(value)
-    if depth > 16:
-        return _text(value)
-    if isinstance(value, dict):
-        return {
-            k if isinstance(k, str) else _text(k): _plain(v, depth + 1) for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, depth + 1) for v in value]
-    return _text(value)
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: a stable event name and structured fields. Records
-    of libraries (free text) become ``log.library`` with their text as ``message``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = _text(record.getMessage())
-        ours = record.name == "custody" and _EVENT_NAME.match(message) is not None
-        payload: dict[str, Any] = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "event": message if ours else "log.library",
-            "logger": record.name,
-        }
-        if not ours:
-            payload["message"] = message
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            for key, value in fields.items():
-                name = _text(key)
-                payload[f"field_{name}" if name in _STABLE else name] = value
-        if record.exc_info:
-            payload["exc"] = self.formatException(record.exc_info)
-        return json.dumps(_plain(payload), allow_nan=False)
-
-
-def setup_logging(fmt: str, level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s %(fields)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("aio_pika", "aiormq", "psycopg.pool"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def event(name: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log an event with structured fields."""
-    log.log(level, name, extra={"fields": fields})
-
-
-class Health:
-    """What /readyz reports: every named check must be true."""
-
-    def __init__(self) -> None:
-        self.checks: dict[str, Callable[[], bool]] = {}
-
-    def ready(self) -> tuple[bool, dict[str, bool]]:
-        states = {}
-        for name, check in self.checks.items():
-            try:
-                states[name] = bool(check())
-            except Exception:
-                states[name] = False
-        return bool(states) and all(states.values()), states
-
-
-async def _serve_http(port: int, health: Health) -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            path = line.split()[1].decode() if len(line.split()) > 1 else "/"
-            if path == "/metrics":
-                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
-            elif path == "/healthz":
-                status, ctype, body = "200 OK", "application/json", b'{"status":"alive"}'
-            elif path == "/readyz":
-                ok, states = health.ready()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "application/json", json.dumps({"ready": ok, **states}).encode()
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"not found"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError, IndexError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, "0.0.0.0", port)
+from workers.runtime.logs import event
+from workers.runtime.probes import Health, serve
 
 
 class Stop:
@@ -167,14 +43,14 @@ class Stop:
 WorkerMain = Callable[[Stop, Health], Coroutine[Any, Any, None]]
 
 
-async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: float = 20.0) -> int:
+async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: float) -> int:
     """Run one worker until SIGTERM/SIGINT; returns the process exit code."""
     stop = Stop(grace_s)
     health = Health()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
-    server = await _serve_http(metrics_port, health) if metrics_port else None
+    server = await serve(metrics_port, health) if metrics_port else None
     event("worker.started", worker=name, metrics_port=metrics_port)
     started = time.monotonic()
     task = asyncio.create_task(main(stop, health), name=name)
@@ -226,35 +102,6 @@ async def supervise(main: Sequence[Awaitable[None]], side: Sequence[Awaitable[No
             if not t.done():
                 t.cancel()
         await asyncio.gather(*mains, *sides, return_exceptions=True)
-
-
-async def next_batch(
-    inbox: asyncio.Queue[Any], stop: Stop, *, size: int, linger_s: float, idle_s: float = 0.5
-) -> list[Any]:
-    """Up to ``size`` items: wait for the first (waking to check stop), then linger."""
-    batch: list[Any] = []
-    while not batch:
-        if stop.requested:
-            return batch
-        try:
-            batch.append(await asyncio.wait_for(inbox.get(), idle_s))
-        except TimeoutError:
-            continue
-    deadline = time.monotonic() + linger_s
-    while len(batch) < size:
-        try:
-            batch.append(inbox.get_nowait())
-            continue
-        except asyncio.QueueEmpty:
-            pass
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        try:
-            batch.append(await asyncio.wait_for(inbox.get(), remaining))
-        except TimeoutError:
-            break
-    return batch
 
 
 class Waker:
@@ -312,7 +159,7 @@ async def redo(
     deliveries' redelivery budget; only a stop request ends the wait. Anything not
     transient is raised at once.
     """
-    from workers import metrics
+    from workers.runtime import metrics
 
     attempt = 0
     while True:

@@ -28,7 +28,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers import db, errors
+from workers import errors
+from workers.io import db
 
 POLICY = "policy"
 RETRIES = 3  # redos of a command that lost a deadlock to a worker

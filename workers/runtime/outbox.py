@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from workers import broker, db, errors, faults, metrics, operator, runtime
-from workers.config import Settings
+from workers import errors
 from workers.errors import backoff_seconds
+from workers.io import broker, db
+from workers.runtime import faults, logs, metrics, supervisor
 
-ACTOR = "publisher"
+ACTOR = "publisher"  # the actor of the history rows its confirm marks write
 
 
 class OutboxPublisher:
@@ -35,8 +36,10 @@ class OutboxPublisher:
         claim_ttl_s: float,
         engine: bool,
         hold_submits: bool = False,
+        before_sample: Callable[[db.Tx], Awaitable[object]] | None = None,
     ) -> None:
         self.hold_submits = hold_submits
+        self.before_sample = before_sample
         self.owner = owner
         self.db = database
         self.lease = lease
@@ -86,7 +89,7 @@ class OutboxPublisher:
             await self.mark(rows, outcomes, epoch)
         except errors.Fenced as exc:
             metrics.LEASE_LOSSES.labels(self.owner).inc()
-            runtime.event(
+            logs.event(
                 "lease.fenced",
                 logging.WARNING,
                 worker=ACTOR,
@@ -153,7 +156,7 @@ class OutboxPublisher:
             kind = o.error.split(":", 1)[0]
             metrics.PUBLISH_FAILURES.labels(self.owner, kind).inc()
         if failed:
-            runtime.event(
+            logs.event(
                 "outbox.publish_failed",
                 logging.WARNING,
                 owner=self.owner,
@@ -162,9 +165,9 @@ class OutboxPublisher:
             )
 
     async def sample(self) -> None:
-        if self.engine:
+        if self.before_sample is not None:  # the engine's: retire undeliverable submits
             async with self.db.transaction(self.lease) as tx:
-                await operator.retire_submits(tx, ACTOR)
+                await self.before_sample(tx)
         async with self.db.transaction() as tx:
             row = await tx.one("outbox_stats")
         if row:
@@ -173,40 +176,18 @@ class OutboxPublisher:
 
 
 async def loop(
-    pub: OutboxPublisher, stop: runtime.Stop, waker: runtime.Waker, on_fenced: Any, worker: str
+    pub: OutboxPublisher,
+    stop: supervisor.Stop,
+    waker: supervisor.Waker,
+    on_fenced: Any,
+    worker: str,
 ) -> None:
     """Claim while there is work; otherwise wait for a NOTIFY or the poll interval."""
     last_sample = 0.0
     while not stop.requested:
-        n = await runtime.redo(pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced)
+        n = await supervisor.redo(pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced)
         if time.monotonic() - last_sample > 5:
-            await runtime.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
+            await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
             last_sample = time.monotonic()
         if n < pub.batch_size:
             await waker.wait()
-
-
-async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
-    from workers import engine
-
-    async with engine.context(settings, ACTOR, health) as ctx:
-        pub = OutboxPublisher(
-            owner="engine",
-            database=ctx.db,
-            lease=ctx.lease,
-            publisher=await ctx.broker.publisher(
-                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s, user_id=None
-            ),
-            batch_size=settings.batch_size,
-            claim_ttl_s=settings.lease_ttl_s,
-            engine=True,
-            hold_submits=settings.dispatch_paused,
-        )
-        waker = runtime.Waker(settings.poll_interval_s)
-        await runtime.supervise(
-            main=[loop(pub, stop, waker, ctx.reacquire, ACTOR)],
-            side=[
-                ctx.heartbeat(),
-                waker.follow(lambda: ctx.db.listen("custody_outbox"), worker=ACTOR),
-            ],
-        )

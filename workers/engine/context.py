@@ -7,11 +7,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from workers import broker, errors, metrics, process, retention, routes, runtime
-from workers import db as dbm
-from workers.config import Settings
+from workers import errors
+from workers.core import horizon, process, routes
+from workers.io import broker
+from workers.io import db as dbm
+from workers.runtime import logs, metrics, probes
+from workers.settings import Settings
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Context:
             if await self.db.renew(self.lease):
                 return True
             metrics.LEASE_LOSSES.labels(self.worker).inc()
-            runtime.event(
+            logs.event(
                 "lease.lost",
                 logging.WARNING,
                 worker=self.worker,
@@ -58,30 +60,17 @@ class Context:
             except errors.DatabaseError as exc:
                 if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
                     raise
-                runtime.event(
+                logs.event(
                     "lease.renew_failed", logging.WARNING, worker=self.worker, error=str(exc)[:300]
                 )
 
 
-def tls(settings: Settings) -> broker.Tls:
-    return broker.Tls(
-        settings.amqp_tls_ca_file, settings.amqp_tls_cert_file, settings.amqp_tls_key_file
-    )
-
-
-def load_config(settings: Settings) -> tuple[routes.Routes, process.Catalog]:
-    table = routes.load(Path(settings.routes_file))
-    return table, process.load_dir(Path(settings.processes_dir), table)
-
-
 @contextlib.asynccontextmanager
-async def context(
-    settings: Settings, worker: str, health: runtime.Health
-) -> AsyncIterator[Context]:
-    table, catalog = load_config(settings)
-    retention.check(settings, catalog)
+async def running(settings: Settings, worker: str, health: probes.Health) -> AsyncIterator[Context]:
+    table, catalog = process.load_config(settings)
+    horizon.check(settings, catalog)
     database = dbm.Database(settings.database_url, schema="custody", name=worker)
-    amqp = broker.Broker(settings.amqp_url, worker, tls(settings))
+    amqp = broker.Broker(settings.amqp_url, worker, broker.tls(settings))
     lease = dbm.Lease(worker, ttl_s=settings.lease_ttl_s)
     await database.open()
     try:

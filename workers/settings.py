@@ -55,6 +55,9 @@ class Settings:
     delivery_limit: int = 50  # a backstop: custody dead-letters what fails on its own
     metrics_port: int = 0
     log_format: str = "json"
+    # SIGTERM: stop claiming, then drain in-flight work this long (keep it below the
+    # platform's grace period: terminationGracePeriodSeconds 30, stop_grace_period 30s)
+    drain_grace_s: float = 20.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

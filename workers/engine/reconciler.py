@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import db, engine, faults, lifecycle, metrics, operator, retention, runtime
-from workers.config import Settings
+from workers.core import lifecycle
+from workers.engine import context, retention, transitions
+from workers.io import db
+from workers.runtime import faults, logs, metrics, probes, supervisor
+from workers.settings import Settings
 
 ACTOR = "reconciler"
 CLEANUP_EVERY_S = 60.0
@@ -23,7 +26,7 @@ class Reconciler:
         self.settings = settings
         self.db = database
         self.lease = lease
-        self.policy = operator.Operator(database, lease)
+        self.policy = transitions.Operator(database, lease)
 
     async def sweep_queries(self) -> int:
         """Reconcile queries left unanswered past the deadline go back to
@@ -62,9 +65,9 @@ class Reconciler:
         done = 0
         for row in due:
             outcome = await self.policy.retry_safe(
-                operator.POLICY, str(row["id"]), "the node's retry policy"
+                transitions.POLICY, str(row["id"]), "the node's retry policy"
             )
-            done += outcome.result is operator.Result.DONE
+            done += outcome.result is transitions.Result.DONE
         return done
 
     async def reconcile_due(self) -> int:
@@ -78,7 +81,7 @@ class Reconciler:
             )
         for row in due:
             await self.policy.reconcile(
-                operator.POLICY, str(row["id"]), "automatic reconcile policy"
+                transitions.POLICY, str(row["id"]), "automatic reconcile policy"
             )
         return len(due)
 
@@ -122,8 +125,8 @@ class Reconciler:
             metrics.OPERATIONS.labels(status.value).set(counts.get(status.value, 0))
 
 
-async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
-    async with engine.context(settings, ACTOR, health) as ctx:
+async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:
+    async with context.running(settings, ACTOR, health) as ctx:
         rec = Reconciler(settings, ctx.db, ctx.lease)
 
         async def deadlines() -> None:
@@ -137,21 +140,23 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
                 ):
                     n = max(
                         n,
-                        await runtime.redo(sweep, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire),
+                        await supervisor.redo(
+                            sweep, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire
+                        ),
                     )
-                await runtime.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
+                await supervisor.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)
                 if n < settings.batch_size:
                     await stop.sleep(settings.poll_interval_s)
 
         async def cleanup() -> None:
             while not await stop.sleep(CLEANUP_EVERY_S):
-                removed = await runtime.redo(
-                    lambda: retention.cleanup_engine(ctx.db, settings.retention_s, ctx.lease),
+                removed = await supervisor.redo(
+                    lambda: retention.cleanup(ctx.db, settings.retention_s, ctx.lease),
                     worker=ACTOR,
                     stop=stop,
                     on_fenced=ctx.reacquire,
                 )
                 if any(removed.values()):
-                    runtime.event("retention.cleanup", **removed)
+                    logs.event("retention.cleanup", **removed)
 
-        await runtime.supervise(main=[deadlines(), cleanup()], side=[ctx.heartbeat()])
+        await supervisor.supervise(main=[deadlines(), cleanup()], side=[ctx.heartbeat()])

@@ -19,21 +19,11 @@ import pydantic
 
 from contracts import codec, digest, identity
 from contracts.models import CancelRequest, ExecutorRoute, Lineage, StartRequest
-from workers import (
-    adapter,
-    broker,
-    consumer,
-    db,
-    engine,
-    faults,
-    metrics,
-    operator,
-    process,
-    routes,
-    runtime,
-    tracing,
-)
-from workers.config import Settings
+from workers.core import commands, process, routes, tracing
+from workers.engine import context, transitions
+from workers.io import broker, db
+from workers.runtime import consume, faults, logs, metrics, probes, supervisor
+from workers.settings import Settings
 
 ACTOR = "committer"
 AckPolicy = "ack after commit; malformed starts are quarantined and acked"
@@ -83,8 +73,8 @@ def plan_activation(
         node=node_name,
         activation=activation,
     ).model_dump(mode="json")
-    command = adapter.submit(
-        adapter.Pinned(
+    command = commands.submit(
+        commands.Pinned(
             operation_id=op_id,
             tenant=tenant,
             attempt=1,
@@ -158,7 +148,7 @@ class Committer:
         table: routes.Routes,
         catalog: process.Catalog,
     ) -> None:
-        self.operators = operator.Operator(database, lease)
+        self.operators = transitions.Operator(database, lease)
         self.settings = settings
         self.db = database
         self.lease = lease
@@ -192,7 +182,7 @@ class Committer:
         outcome = await self.operators.cancel_start(
             actor, request.tenant, request.start_request_id, request.reason
         )
-        runtime.event(
+        logs.event(
             "request.cancel",
             tenant=request.tenant,
             actor=actor,
@@ -225,7 +215,7 @@ class Committer:
                     "start_tombstone_late",
                     {"tenant": s.tenant, "start_request_id": s.start_request_id},
                 )
-                runtime.event(
+                logs.event(
                     "start.cancelled_before_start",
                     tenant=s.tenant,
                     start_request_id=s.start_request_id,
@@ -414,7 +404,7 @@ class Committer:
                     )
                 except ACTIVATION_ERRORS as exc:
                     metrics.ACTIVATION_FAILURES.labels("activation_failed").inc()
-                    runtime.event(
+                    logs.event(
                         "instance.activation_failed",
                         logging.ERROR,
                         instance_id=str(iid),
@@ -443,7 +433,7 @@ class Committer:
         intent waits; once a deployment loads the version again, it goes on."""
         iid = intent["instance_id"]
         metrics.ACTIVATION_FAILURES.labels(DEFINITION_MISSING).inc()
-        runtime.event(
+        logs.event(
             "instance.definition_missing",
             logging.ERROR,
             instance_id=str(iid),
@@ -474,7 +464,7 @@ class Committer:
             current = self.routes.by_name.get(name)
             if current != route:
                 metrics.ROUTE_DRIFT.labels(name).inc()
-                runtime.event(
+                logs.event(
                     "route.drift",
                     logging.WARNING,
                     instance_id=str(instance_id),
@@ -516,13 +506,13 @@ def _quarantine_row(
     }
 
 
-async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
-    async with engine.context(settings, ACTOR, health) as ctx:
+async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:
+    async with context.running(settings, ACTOR, health) as ctx:
         committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog)
-        waker = runtime.Waker(settings.poll_interval_s)
+        waker = supervisor.Waker(settings.poll_interval_s)
 
         async def starts() -> None:
-            await consumer.run(
+            await consume.run(
                 ctx.broker,
                 [broker.QUEUE_REQUESTS],
                 settings=settings,
@@ -534,13 +524,13 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
 
         async def successors() -> None:
             while not stop.requested:
-                n = await runtime.redo(
+                n = await supervisor.redo(
                     committer.commit_successors, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire
                 )
                 if n < settings.batch_size:
                     await waker.wait()
 
-        await runtime.supervise(
+        await supervisor.supervise(
             main=[starts(), successors()],
             side=[
                 ctx.heartbeat(),

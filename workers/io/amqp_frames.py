@@ -15,7 +15,7 @@ This module replaces the two decoding steps that see publisher-controlled bytes:
   range, an unknown field type, a nesting deeper than ``MAX_DEPTH``, a
   ``delivery_mode`` or ``expiration`` aio-pika would choke on) becomes ``None``. Either
   way the headers get the key ``MARK`` with an :class:`Undecodable` value (a type no
-  wire value can have), which ``workers.broker`` turns into ``Delivery.undecodable``.
+  wire value can have), which ``workers.io.broker`` turns into ``Delivery.undecodable``.
 - method frames (``pamqp.frame._unmarshal_method_frame``): decoded strictly as
   before; only a ``Basic.Deliver``/``Basic.GetOk``/``Basic.Return`` whose short strings
   are not UTF-8 (a routing key chosen by the publisher, delivered through ``CC``) is
@@ -24,7 +24,7 @@ This module replaces the two decoding steps that see publisher-controlled bytes:
 
 The patch is pinned: :func:`install` refuses to run on other versions of pamqp/aiormq
 than the ones it was written and tested against (``tests/unit/test_amqp_frames.py``
-fails too), so an upgrade cannot silently undo it. Only ``workers.broker`` imports this.
+fails too), so an upgrade cannot silently undo it. Only ``workers.io.broker`` imports this.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def install() -> None:
     found = installed_versions()
     if found != PINNED:
         raise RuntimeError(
-            f"workers.amqp_frames is pinned to {PINNED}, found {found}: re-check the "
+            f"workers.io.amqp_frames is pinned to {PINNED}, found {found}: re-check the "
             "frame decoder patch (tests/unit/test_amqp_frames.py) before upgrading"
         )
     pamqp.frame._unmarshal_header_frame = unmarshal_header_frame

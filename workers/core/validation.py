@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from contracts import digest, identity
 from contracts.models import OperationReceipt
-from workers import lifecycle
+from workers.core import lifecycle
 
 
 class Verdict(enum.StrEnum):

@@ -24,7 +24,9 @@ from pydantic import StringConstraints, TypeAdapter, ValidationError
 
 from contracts import digest
 from contracts.models import Attempt, Name
-from workers.routes import Routes
+from workers.core import routes
+from workers.core.routes import Routes
+from workers.settings import Settings
 
 END_COMPLETED: Final = "@completed"
 END_FAILED: Final = "@failed"
@@ -329,3 +331,9 @@ def render_input(
         return value
 
     return {k: resolve(v) for k, v in template.items()}
+
+
+def load_config(settings: Settings) -> tuple[Routes, Catalog]:
+    """The routes file and every process definition of ``settings``, checked together."""
+    table = routes.load(Path(settings.routes_file))
+    return table, load_dir(Path(settings.processes_dir), table)

@@ -25,7 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
-from workers.config import ROOT
+from workers.settings import ROOT
 
 Row = dict[str, Any]
 Params = Mapping[str, Any] | Sequence[Any] | None
@@ -372,6 +372,45 @@ async def sync_operators(
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc
     return OperatorLogins(members, created, without)
+
+
+def with_dbname(url: str, name: str) -> str:
+    """The same connection string, for another database."""
+    return psycopg.conninfo.make_conninfo(url, dbname=name)
+
+
+async def recreate_database(url: str) -> None:
+    """Drop and create the database named in ``url`` (the demo and the bench only)."""
+    admin = psycopg.conninfo.make_conninfo(url, dbname="postgres")
+    name = str(psycopg.conninfo.conninfo_to_dict(url)["dbname"])
+    try:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+            await conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+            await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+
+
+async def effect_counts(url: str, tables: Sequence[tuple[str, str]]) -> dict[str, tuple[int, int]]:
+    """Rows and repeated operation ids of each ``schema.table`` (the harnesses' check that
+    every effect happened once)."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            for schema, table in tables:
+                cur = await conn.execute(
+                    sql.SQL(
+                        "SELECT count(*), count(*) - count(DISTINCT operation_id) FROM {}"
+                    ).format(sql.Identifier(schema, table))
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                out[f"{schema}.{table}"] = (int(row[0]), int(row[1]))
+    except psycopg.Error as exc:
+        raise _translate(exc, during_commit=False) from exc
+    return out
 
 
 def with_user(url: str, user: str) -> str:

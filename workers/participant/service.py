@@ -36,20 +36,13 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers import (
-    broker,
-    consumer,
-    db,
-    errors,
-    faults,
-    metrics,
-    publisher,
-    retention,
-    runtime,
-    tracing,
-)
-from workers.config import Settings
+from workers import errors
+from workers.core import tracing
 from workers.errors import backoff_seconds
+from workers.io import broker, db
+from workers.participant import retention
+from workers.runtime import consume, faults, logs, metrics, outbox, probes, supervisor
+from workers.settings import Settings
 
 AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
 MAX_EXECUTIONS = 5
@@ -588,7 +581,7 @@ class Participant:
             error = ReceiptError(code=exc.code, message=exc.message[:2000])
         except Exception as exc:  # a handler bug: its savepoint rolled back, so no effect
             if row["executions"] + 1 < MAX_EXECUTIONS:
-                runtime.event(
+                logs.event(
                     "participant.handler_error",
                     logging.WARNING,
                     owner=self.me.owner,
@@ -651,8 +644,8 @@ async def serve(
     me: Identity,
     handlers: Mapping[str, Handler],
     settings: Settings,
-    stop: runtime.Stop,
-    health: runtime.Health,
+    stop: supervisor.Stop,
+    health: probes.Health,
     *,
     schema: str,
     cancel_hooks: Mapping[str, CancelHook] | None = None,
@@ -673,9 +666,9 @@ async def serve(
     health.checks["broker"] = lambda: amqp.connected
     health.checks["database"] = lambda: database.healthy
     part = Participant(me, handlers, settings, database, cancel_hooks)
-    exec_waker = runtime.Waker(settings.poll_interval_s)
-    pub_waker = runtime.Waker(settings.poll_interval_s)
-    pub = publisher.OutboxPublisher(
+    exec_waker = supervisor.Waker(settings.poll_interval_s)
+    pub_waker = supervisor.Waker(settings.poll_interval_s)
+    pub = outbox.OutboxPublisher(
         owner=me.owner,
         database=database,
         lease=None,
@@ -696,8 +689,8 @@ async def serve(
         exec_waker.kick()
         pub_waker.kick()
 
-    async def consume() -> None:
-        await consumer.run(
+    async def commands_in() -> None:
+        await consume.run(
             amqp,
             [broker.command_queue(b) for b in sorted(me.bindings)],
             settings=settings,
@@ -711,7 +704,7 @@ async def serve(
 
     async def execute() -> None:
         while not stop.requested:
-            n = await runtime.redo(part.execute, worker=me.owner, stop=stop, on_fenced=nothing)
+            n = await supervisor.redo(part.execute, worker=me.owner, stop=stop, on_fenced=nothing)
             if n:
                 pub_waker.kick()
             if n < settings.batch_size:
@@ -719,21 +712,21 @@ async def serve(
 
     async def cleanup() -> None:
         while not await stop.sleep(CLEANUP_EVERY_S):
-            removed = await runtime.redo(
-                lambda: retention.cleanup_participant(database, settings.retention_s),
+            removed = await supervisor.redo(
+                lambda: retention.cleanup(database, settings.retention_s),
                 worker=me.owner,
                 stop=stop,
                 on_fenced=nothing,
             )
             if any(removed.values()):
-                runtime.event("retention.cleanup", owner=me.owner, **removed)
+                logs.event("retention.cleanup", owner=me.owner, **removed)
 
     try:
-        await runtime.supervise(
+        await supervisor.supervise(
             main=[
-                consume(),
+                commands_in(),
                 execute(),
-                publisher.loop(pub, stop, pub_waker, nothing, me.owner),
+                outbox.loop(pub, stop, pub_waker, nothing, me.owner),
                 cleanup(),
             ]
         )

@@ -36,13 +36,16 @@ from pamqp import commands as spec
 
 from contracts import codec
 from contracts.models import StartRequest
-from workers import adapter, amqp_frames, errors
+from workers import errors
+from workers.core import commands
+from workers.io import amqp_frames
+from workers.settings import Settings
 
 # pamqp decodes short strings strictly and aiormq closes the connection on any decode
 # error: a publisher's invalid UTF-8 would take every consumer of a queue down
 amqp_frames.install()
 
-EXCHANGE_COMMANDS: Final = adapter.EXCHANGE_COMMANDS
+EXCHANGE_COMMANDS: Final = commands.EXCHANGE_COMMANDS
 EXCHANGE_RECEIPTS: Final = "custody.receipts"
 EXCHANGE_REQUESTS: Final = "custody.requests"
 EXCHANGE_DEAD: Final = "custody.dead"
@@ -597,3 +600,8 @@ async def publish_raw(
         [Outgoing(message_id or "", exchange, routing_key, body, headers or {})]
     )
     return outcome.ok
+
+
+def tls(settings: Settings) -> Tls:
+    """The broker TLS material ``settings`` name (none: plain AMQP)."""
+    return Tls(settings.amqp_tls_ca_file, settings.amqp_tls_cert_file, settings.amqp_tls_key_file)

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers import broker, db
-from workers.config import ROOT, Settings
+from workers.io import broker, db
+from workers.settings import ROOT, Settings
 
 ENGINE_WORKERS = ("committer", "publisher", "receipts", "reconciler")
 PARTICIPANTS = ("inventory", "payments", "shipping")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers import db, operator
-from workers.operator import Outcome, Result
+from workers.engine import transitions
+from workers.engine.transitions import Outcome, Result
+from workers.io import db
 
 BATCH = 200
 # after `restore reconcile`, what still waits for an answer from its pinned executor
@@ -34,7 +35,7 @@ class Restore:
     """The runbook's steps, each a controlled command in the database
     (``transitions.sql``: ``restore_mark``, ``restore_reconcile``, ``restore_resume``)."""
 
-    def __init__(self, ops: operator.Operator) -> None:
+    def __init__(self, ops: transitions.Operator) -> None:
         self.ops = ops
 
     async def mark_restored(self, actor: str | None, reason: str) -> Outcome:

@@ -17,19 +17,11 @@ from typing import Any
 
 from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
-from workers import (
-    broker,
-    consumer,
-    db,
-    engine,
-    faults,
-    lifecycle,
-    metrics,
-    process,
-    runtime,
-    validation,
-)
-from workers.config import Settings
+from workers.core import lifecycle, process, validation
+from workers.engine import context
+from workers.io import broker, db
+from workers.runtime import consume, faults, logs, metrics, probes, supervisor
+from workers.settings import Settings
 
 ACTOR = "receipts"
 AckPolicy = "ack after commit; invalid receipts are quarantined in that commit and acked"
@@ -388,7 +380,7 @@ class ReceiptConsumer:
         the receipt — once the version is deployed again."""
         assert row is not None
         metrics.ACTIVATION_FAILURES.labels("definition_missing").inc()
-        runtime.event(
+        logs.event(
             "instance.definition_missing",
             logging.ERROR,
             instance_id=str(row["instance_id"]),
@@ -496,12 +488,12 @@ def _quarantine(
     }
 
 
-async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -> None:
-    async with engine.context(settings, ACTOR, health) as ctx:
+async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:
+    async with context.running(settings, ACTOR, health) as ctx:
         receipt_consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
 
-        async def consume() -> None:
-            await consumer.run(
+        async def receipts_in() -> None:
+            await consume.run(
                 ctx.broker,
                 [broker.QUEUE_RECEIPTS],
                 settings=settings,
@@ -511,4 +503,4 @@ async def main(settings: Settings, stop: runtime.Stop, health: runtime.Health) -
                 on_fenced=ctx.reacquire,
             )
 
-        await runtime.supervise(main=[consume()], side=[ctx.heartbeat()])
+        await supervisor.supervise(main=[receipts_in()], side=[ctx.heartbeat()])

@@ -10,55 +10,22 @@ fleet down with SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
 import time
-import urllib.parse
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
 from participants import samples
-from workers import broker, cli, fleet
-from workers.config import ROOT, Settings
+from workers import provision
+from workers.harness import env, fleet
+from workers.io import broker
+from workers.settings import ROOT, Settings
 
 DEMO_VHOST = "custody-demo"
 DEV_PASSWORD = fleet.DEV_PASSWORD
-
-
-def _with_db(url: str, name: str) -> str:
-    return psycopg.conninfo.make_conninfo(url, dbname=name)
-
-
-def _with_vhost(url: str, vhost: str, user: str | None = None, password: str | None = None) -> str:
-    parsed = urllib.parse.urlparse(url)
-    netloc = parsed.hostname or "127.0.0.1"
-    if parsed.port:
-        netloc += f":{parsed.port}"
-    user = user or urllib.parse.unquote(parsed.username or "guest")
-    password = password or urllib.parse.unquote(parsed.password or "guest")
-    creds = f"{urllib.parse.quote(user)}:{urllib.parse.quote(password)}@"
-    return parsed._replace(
-        netloc=creds + netloc, path="/" + urllib.parse.quote(vhost, safe="")
-    ).geturl()
-
-
-async def _reset_database(url: str) -> None:
-    admin = psycopg.conninfo.make_conninfo(url, dbname="postgres")
-    name = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
-    async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
-        await conn.execute(
-            psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                psycopg.sql.Identifier(str(name))
-            )
-        )
-        await conn.execute(
-            psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(str(name)))
-        )
 
 
 def orders(n: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -84,71 +51,11 @@ def orders(n: int, seed: int = 7) -> list[dict[str, Any]]:
     return out
 
 
-async def _counts(engine_url: str, part_url: str) -> dict[str, Any]:
-    async with await psycopg.AsyncConnection.connect(engine_url) as conn:
-        inst: dict[str, int] = dict(
-            await (
-                await conn.execute(
-                    "SELECT status::text, count(*) FROM custody.instances GROUP BY 1"
-                )
-            ).fetchall()
-        )
-        ops: dict[str, int] = dict(
-            await (
-                await conn.execute(
-                    "SELECT status::text, count(*) FROM custody.operations GROUP BY 1"
-                )
-            ).fetchall()
-        )
-        pending = (
-            await (
-                await conn.execute("SELECT count(*) FROM custody.outbox WHERE status = 'pending'")
-            ).fetchone()
-            or [0]
-        )[0]
-        quarantined = (
-            await (await conn.execute("SELECT count(*) FROM custody.quarantine")).fetchone() or [0]
-        )[0]
-        succeeded: dict[str, int] = dict(
-            await (
-                await conn.execute(
-                    "SELECT operation, count(*) FROM custody.operations WHERE status = 'succeeded'"
-                    " GROUP BY 1"
-                )
-            ).fetchall()
-        )
-    effects: dict[str, int] = {}
-    duplicates = 0
-    async with await psycopg.AsyncConnection.connect(part_url) as conn:
-        for owner, tables in samples.EFFECT_TABLES.items():
-            for table in tables:
-                ident = psycopg.sql.Identifier(f"participant_{owner}", table)
-                row = await (
-                    await conn.execute(
-                        psycopg.sql.SQL(
-                            "SELECT count(*), count(*) - count(DISTINCT operation_id) FROM {}"
-                        ).format(ident)
-                    )
-                ).fetchone()
-                assert row is not None
-                effects[f"{owner}.{table}"] = row[0]
-                duplicates += row[1]
-    return {
-        "instances": inst,
-        "operations": ops,
-        "outbox_pending": pending,
-        "quarantined": quarantined,
-        "effects": effects,
-        "duplicates": duplicates,
-        "succeeded_by_operation": succeeded,
-    }
-
-
 async def run(settings: Settings, *, instances: int, replicas: int) -> int:
     started = time.monotonic()
-    engine_url = _with_db(settings.database_url, "custody_demo")
-    part_url = _with_db(settings.participant_database_url, "custody_demo_participants")
-    amqp_url = _with_vhost(settings.amqp_url, DEMO_VHOST)
+    engine_url = env.with_db(settings.database_url, "custody_demo")
+    part_url = env.with_db(settings.participant_database_url, "custody_demo_participants")
+    amqp_url = env.with_vhost(settings.amqp_url, DEMO_VHOST)
     demo = replace(
         settings,
         database_url=engine_url,
@@ -158,20 +65,20 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
     )
     print(f"custody demo: {instances} order-fulfilment instances, {replicas} replica(s) per worker")
     print("  preparing: databases custody_demo and custody_demo_participants, vhost custody-demo")
-    await _reset_database(engine_url)
-    await _reset_database(part_url)
+    await env.reset_database(engine_url)
+    await env.reset_database(part_url)
     await broker.delete_vhost(settings.amqp_management_url, DEMO_VHOST)
     await broker.ensure_vhost(
         settings.amqp_management_url, DEMO_VHOST, [broker.user_of(settings.amqp_url)]
     )
     quiet = _Quiet()
     with quiet:
-        await cli.cmd_migrate(demo, argparse.Namespace(participants=True))
-        await cli.cmd_topology(demo, argparse.Namespace())
-        await cli.cmd_dev_users(demo, argparse.Namespace(password=DEV_PASSWORD))
+        await provision.migrate(demo, participants=True)
+        await provision.apply_topology(demo)
+        await provision.dev_users(demo, DEV_PASSWORD)
         # each operator of deploy/operators.toml gets its own login (dev: trust auth)
-        await cli.sync_operators(demo, demo.operators_file, create_logins=True)
-    env = {
+        await provision.sync_operators(demo, demo.operators_file, create_logins=True)
+    worker_env = {
         "CUSTODY_DATABASE_URL": engine_url,
         "CUSTODY_PARTICIPANT_DATABASE_URL": part_url,
         "CUSTODY_AMQP_URL": amqp_url,
@@ -179,13 +86,13 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
         "CUSTODY_POLL_INTERVAL_S": "0.5",
     }
     table = {
-        name: _with_vhost(settings.amqp_url, DEMO_VHOST, f"custody-{name}", DEV_PASSWORD)
+        name: env.with_vhost(settings.amqp_url, DEMO_VHOST, f"custody-{name}", DEV_PASSWORD)
         for name in fleet.PARTICIPANTS
     }
     logs = ROOT / ".demo" / "logs"
     for old in logs.glob("*.log") if logs.exists() else []:
         old.unlink()
-    crew = fleet.Fleet(env=env, log_dir=logs)
+    crew = fleet.Fleet(env=worker_env, log_dir=logs)
     crew.start_all(
         replicas=replicas, participant_env={n: {"CUSTODY_AMQP_URL": u} for n, u in table.items()}
     )
@@ -208,11 +115,11 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
         outcomes = await pub.publish_many(items)
         await amqp.close()
         print(f"  published {sum(o.ok for o in outcomes)} start requests (broker-confirmed)")
-        counts = await _counts(engine_url, part_url)
+        counts = await env.counts(engine_url, part_url)
         deadline = time.monotonic() + 90
         last_line = 0.0
         while time.monotonic() < deadline:
-            counts = await _counts(engine_url, part_url)
+            counts = await env.counts(engine_url, part_url)
             inst = counts["instances"]
             done = inst.get("completed", 0) + inst.get("failed", 0)
             ops = counts["operations"]

@@ -24,9 +24,9 @@ from contracts.models import (
     SubmitCommand,
     Target,
 )
-from workers import tracing
+from workers.core import tracing
 
-EXCHANGE_COMMANDS: Final = "custody.commands"  # workers.broker declares it
+EXCHANGE_COMMANDS: Final = "custody.commands"  # workers.io.broker declares it
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,2 @@
+"""Pure decisions: lifecycle, validation, commands, process definitions, routes,
+authorization, the retention horizon. No I/O."""

@@ -1,0 +1,2 @@
+"""One process's life: supervision and redo, consuming, the outbox publisher, batching, logs,
+probes, metrics, fault points."""
