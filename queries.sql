@@ -1,7 +1,9 @@
--- Named queries, loaded by workers/db.py. Engine queries run with
--- search_path = custody; participant queries (prefix p_) with the participant's
--- schema. The outbox queries serve both: the two outbox tables have one shape.
+-- Engine queries (search_path = custody), loaded by workers/io/sql.py together with
+-- participant_queries.sql; a name is unique across the two files. Each group below is
+-- the worker (or command) whose transactions run it: a commit boundary.
 -- Every transition UPDATE names the expected current state: zero rows is a lost race.
+
+-- Leases: every worker's fencing token (workers/io/db.py), each call its own transaction ---
 
 -- name: lease_acquire
 INSERT INTO custody.leases AS l (holder, worker, epoch, expires_at)
@@ -18,8 +20,36 @@ UPDATE custody.leases
 -- name: lease_release
 DELETE FROM custody.leases WHERE holder = %(holder)s AND epoch = %(epoch)s;
 
--- name: control_get
-SELECT dispatch_paused, restore_generation FROM custody.control;
+-- Shared writes: history and quarantine rows, inside the unit of work that writes them ----
+
+-- name: history_insert
+INSERT INTO history (instance_id, operation_id, event, detail, actor)
+VALUES (%(instance_id)s, %(operation_id)s, %(event)s, %(detail)s, %(actor)s);
+
+-- name: quarantine_insert
+INSERT INTO quarantine (source, reason, detail, message_id, user_id, tenant, operation_id,
+                        body, headers, worker)
+VALUES (%(source)s, %(reason)s, %(detail)s, %(message_id)s, %(user_id)s, %(tenant)s,
+        %(operation_id)s, %(body)s, %(headers)s, %(worker)s);
+
+-- Committer: a batch of start requests, or of successor intents, in one transaction -------
+
+-- name: start_locks
+-- Serialises a start request with its cancellation: exactly one of the two wins. The key
+-- is the id's canonical spelling, whatever spelling the caller used.
+SELECT pg_advisory_xact_lock(k)
+  FROM (SELECT DISTINCT hashtext(t || '/' || s::uuid::text) AS k
+          FROM unnest(%(tenant)s::text[], %(start_request_id)s::text[]) AS u(t, s)
+         ORDER BY 1) AS keys;
+
+-- name: start_tombstones_for
+SELECT tenant, start_request_id::text FROM start_tombstones
+ WHERE (tenant, start_request_id) IN (
+       SELECT * FROM unnest(%(tenant)s::text[], %(start_request_id)s::uuid[]));
+
+-- name: start_tombstone_late
+UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
+ WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
 
 -- name: instance_insert
 -- One statement for the batch. A replica that raced us to the same start request
@@ -60,10 +90,6 @@ VALUES (%(request_id)s, %(operation_id)s, %(attempt)s, %(kind)s, %(digest)s);
 INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
 VALUES (%(id)s, %(kind)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s::jsonb,
         %(operation_id)s);
-
--- name: history_insert
-INSERT INTO history (instance_id, operation_id, event, detail, actor)
-VALUES (%(instance_id)s, %(operation_id)s, %(event)s, %(detail)s, %(actor)s);
 
 -- name: successor_claim
 -- The instance row is locked with the intent: cancel takes the same lock, so the status
@@ -109,6 +135,8 @@ UPDATE successor_intents SET status = 'done', done_at = now()
 UPDATE instances SET status = %(status)s, finished_at = now(), updated_at = now()
  WHERE id = %(id)s AND status = 'running';
 
+-- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
+
 -- name: outbox_claim
 -- Effect dispatch (submits) waits while dispatch is paused, globally or for the
 -- instance; queries and cancels still flow (the restore runbook reconciles while paused).
@@ -135,19 +163,6 @@ UPDATE outbox o
                    FOR UPDATE OF b SKIP LOCKED)
 RETURNING o.id, o.kind, o.exchange, o.routing_key, o.body, o.headers, o.operation_id,
           o.publish_attempts;
-
--- name: p_outbox_claim
-UPDATE outbox o
-   SET claimed_by = %(holder)s,
-       claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
-       publish_attempts = o.publish_attempts + 1
- WHERE o.id IN (SELECT id FROM outbox
-                 WHERE status = 'pending' AND next_attempt_at <= now()
-                   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
-                 ORDER BY next_attempt_at
-                 LIMIT %(limit)s
-                   FOR UPDATE SKIP LOCKED)
-RETURNING o.id, o.exchange, o.routing_key, o.body, o.headers, o.operation_id, o.publish_attempts;
 
 -- name: outbox_mark_published
 UPDATE outbox
@@ -183,6 +198,8 @@ UPDATE operations o
                   AND a.operation_id = o.id AND a.attempt = o.attempt)
 RETURNING o.id, o.instance_id;
 
+-- Receipt consumer: a batch of receipts and cancellations applied in one transaction ------
+
 -- name: operations_lock
 SELECT o.id, o.tenant, o.instance_id, o.node, o.operation, o.route, o.owner, o.principal,
        o.binding, o.input, o.attempt, o.status, o.effect, o.owner_revision, o.receipt_hash,
@@ -192,19 +209,19 @@ SELECT o.id, o.tenant, o.instance_id, o.node, o.operation, o.route, o.owner, o.p
  ORDER BY o.id
    FOR UPDATE OF o;
 
--- name: revisions_seen
--- Every (operation, attempt, owner revision) already recorded, with its content.
-SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_inbox
- WHERE (operation_id, attempt, owner_revision) IN (
-       SELECT * FROM unnest(%(operation_id)s::uuid[], %(attempt)s::int[],
-                            %(owner_revision)s::int[]));
-
 -- name: attempts_for
 SELECT request_id::text, operation_id::text, attempt, kind, digest
   FROM attempts WHERE request_id = ANY(%(ids)s);
 
 -- name: receipts_seen
 SELECT receipt_id::text, content_hash FROM receipt_inbox WHERE receipt_id = ANY(%(ids)s);
+
+-- name: revisions_seen
+-- Every (operation, attempt, owner revision) already recorded, with its content.
+SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_inbox
+ WHERE (operation_id, attempt, owner_revision) IN (
+       SELECT * FROM unnest(%(operation_id)s::uuid[], %(attempt)s::int[],
+                            %(owner_revision)s::int[]));
 
 -- name: receipt_record
 INSERT INTO receipt_inbox (receipt_id, operation_id, attempt, owner_revision, status,
@@ -232,28 +249,9 @@ INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_nod
 VALUES (%(instance_id)s, %(from_operation_id)s, %(outcome)s, %(next_node)s)
 ON CONFLICT (from_operation_id) DO NOTHING;
 
--- name: quarantine_insert
-INSERT INTO quarantine (source, reason, detail, message_id, user_id, tenant, operation_id,
-                        body, headers, worker)
-VALUES (%(source)s, %(reason)s, %(detail)s, %(message_id)s, %(user_id)s, %(tenant)s,
-        %(operation_id)s, %(body)s, %(headers)s, %(worker)s);
-
--- name: quarantine_list
-SELECT id, source, reason, detail, message_id, user_id, tenant, operation_id, received_at
-  FROM quarantine
- WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
- ORDER BY id DESC LIMIT %(limit)s;
-
--- name: operations_overdue
-SELECT id, instance_id, status FROM operations
- WHERE status IN ('pending', 'dispatched', 'accepted') AND deadline_at < now()
- ORDER BY deadline_at
- LIMIT %(limit)s
-   FOR UPDATE SKIP LOCKED;
-
--- name: operation_set_status
-UPDATE operations SET status = %(status)s, updated_at = now()
- WHERE id = %(id)s AND status = %(expected)s;
+-- name: instance_suspend
+UPDATE instances SET status = 'suspended', updated_at = now()
+ WHERE id = %(id)s AND status = 'running';
 
 -- name: instance_unsuspend
 -- Progress resumes once no operation of the instance is left without an outcome.
@@ -263,143 +261,37 @@ UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = n
                     WHERE instance_id = %(id)s
                       AND status IN ('outcome_unknown', 'reconcile_pending'));
 
--- name: instance_suspend
-UPDATE instances SET status = 'suspended', updated_at = now()
- WHERE id = %(id)s AND status = 'running';
+-- name: instance_set_cancelling
+UPDATE instances SET status = 'cancelling', updated_at = now()
+ WHERE id = %(id)s AND status IN ('running', 'suspended');
 
--- name: operations_by_status
-SELECT status::text, count(*) AS n FROM operations GROUP BY status;
+-- name: instance_settle_cancel
+-- A cancelling instance is cancelled once every operation has authoritative evidence.
+UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now()
+ WHERE id = %(id)s AND status = 'cancelling'
+   AND NOT EXISTS (SELECT 1 FROM operations
+                    WHERE instance_id = %(id)s
+                      AND status NOT IN ('succeeded', 'failed', 'cancelled'));
 
--- name: instances_by_status
-SELECT status::text, count(*) AS n FROM instances GROUP BY status;
+-- Reconciler: deadlines, retries and unknown outcomes, one transaction per sweep ----------
 
--- name: instance_list
-SELECT id, tenant, process, process_version, status, created_at, finished_at
-  FROM instances
- WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
-   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
- ORDER BY created_at DESC LIMIT %(limit)s;
+-- name: operations_overdue
+SELECT id, instance_id, status FROM operations
+ WHERE status IN ('pending', 'dispatched', 'accepted') AND deadline_at < now()
+ ORDER BY deadline_at
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
 
--- name: operation_list
-SELECT id, tenant, instance_id, node, operation, route, binding, attempt, status, effect,
-       owner_revision, created_at, finished_at
-  FROM operations
- WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
-   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
-   AND (%(route)s::text IS NULL OR route = %(route)s)
- ORDER BY created_at DESC LIMIT %(limit)s;
+-- name: queries_overdue
+SELECT id, instance_id, status::text FROM operations
+ WHERE status = 'reconcile_pending' AND deadline_at < now()
+ ORDER BY deadline_at
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
 
--- name: instance_history
-SELECT id, operation_id, event, detail, actor, at FROM history
- WHERE instance_id = %(id)s ORDER BY id;
-
--- Participant runtime (search_path = the participant's schema) ----------------
-
--- name: p_tombstones_for
-SELECT request_id::text FROM tombstones WHERE request_id = ANY(%(ids)s);
-
--- name: p_inbox_accept
-INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
-                   status, effect, owner_revision, traceparent)
-SELECT * FROM unnest(%(request_id)s::uuid[], %(tenant)s::text[], %(operation_id)s::uuid[],
-                     %(attempt)s::int[], %(operation)s::text[], %(digest)s::text[],
-                     %(command)s::jsonb[], %(status)s::text[], %(effect)s::text[],
-                     %(owner_revision)s::int[], %(traceparent)s::text[])
-ON CONFLICT (request_id) DO NOTHING
-RETURNING request_id::text;
-
--- name: p_inbox_get
-SELECT request_id::text, digest, status, owner_revision FROM inbox
- WHERE request_id = ANY(%(ids)s);
-
--- name: p_conflict_insert
-INSERT INTO conflicts (request_id, stored_digest, received_digest, command)
-VALUES (%(request_id)s, %(stored_digest)s, %(received_digest)s, %(command)s);
-
--- name: p_receipt_insert
-INSERT INTO receipts (receipt_id, request_id, owner_revision, body)
-VALUES (%(receipt_id)s, %(request_id)s, %(owner_revision)s, %(body)s)
-ON CONFLICT (receipt_id) DO NOTHING;
-
--- name: p_reemit_latest
--- A repeated command gets the existing receipt again: the same id and bytes.
-UPDATE outbox o
-   SET status = 'pending', next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL
-  FROM (SELECT DISTINCT ON (request_id) receipt_id FROM receipts
-         WHERE request_id = ANY(%(ids)s)
-         ORDER BY request_id, owner_revision DESC) r
- WHERE o.id = r.receipt_id AND o.status = 'published';
-
--- name: p_refused_insert
-INSERT INTO refused (reason, detail, message_id, body)
-VALUES (%(reason)s, %(detail)s, %(message_id)s, %(body)s);
-
--- name: p_exec_claim
--- A short transaction: the executor marks a batch as its own (claim token, expiry) and
--- commits; no row lock outlives it. A row whose handler runs right now is locked by
--- that handler's transaction and skipped; a crashed executor's claims expire, and an
--- executor redoing its unit after a transient failure takes its own back at once.
-UPDATE inbox i
-   SET claimed_until = clock_timestamp() + make_interval(secs => %(ttl)s),
-       claim_token = %(token)s
- WHERE i.request_id IN (SELECT request_id FROM inbox
-                         WHERE status = 'accepted'
-                           AND (claimed_until IS NULL OR claimed_until < clock_timestamp()
-                                OR claim_token = %(token)s)
-                         ORDER BY accepted_at
-                         LIMIT %(limit)s
-                           FOR UPDATE SKIP LOCKED)
-RETURNING i.request_id::text, i.accepted_at;
-
--- name: p_exec_lock
--- One handler's transaction re-locks its row and re-checks it: still accepted (a
--- cancel may have settled it since the claim) and still claimed by this executor (an
--- expired claim may have been taken by another). No row: the handler does not run.
-SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, command,
-       owner_revision, executions, traceparent
-  FROM inbox
- WHERE request_id = %(request_id)s AND status = 'accepted' AND claim_token = %(token)s
-   FOR UPDATE;
-
--- name: p_exec_complete
-UPDATE inbox
-   SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
-       result = %(result)s, error = %(error)s, completed_at = now(),
-       claimed_until = NULL, claim_token = NULL
- WHERE request_id = %(request_id)s AND status = 'accepted';
-
--- name: p_exec_defer
--- The claim is dropped (no token) and the row waits out its backoff before any claim.
-UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(delay)s),
-                 claim_token = NULL, executions = executions + 1
- WHERE request_id = %(request_id)s AND status = 'accepted';
-
--- name: p_latest_receipts
-SELECT DISTINCT ON (request_id) request_id::text, body FROM receipts
- WHERE request_id = ANY(%(ids)s)
- ORDER BY request_id, owner_revision DESC;
-
--- name: p_outbox_insert
-INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
-ON CONFLICT (id) DO NOTHING;
-
--- name: p_answer_upsert
--- Every query is answered, a repeated one included (a restored engine re-issues query
--- ids): an answer row that exists is re-armed with the current answer. A row claimed
--- by a publisher right now loses its claim, so its mark fails and it is sent again: a
--- publication always starts after the query was retained.
-INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
-ON CONFLICT (id) DO UPDATE
-   SET body = excluded.body, headers = excluded.headers, status = 'pending',
-       next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL,
-       published_at = NULL, last_error = NULL;
-
--- name: p_refused_list
-SELECT id, reason, detail, message_id, received_at FROM refused
- WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
- ORDER BY id DESC LIMIT %(limit)s;
+-- name: operation_set_status
+UPDATE operations SET status = %(status)s, updated_at = now()
+ WHERE id = %(id)s AND status = %(expected)s;
 
 -- name: retries_due
 SELECT id FROM operations
@@ -420,118 +312,13 @@ SELECT o.id FROM operations o
  LIMIT %(limit)s
    FOR UPDATE SKIP LOCKED;
 
--- name: audit_list
-SELECT id, at, actor, action, tenant, target, reason, outcome FROM audit
- ORDER BY id DESC LIMIT %(limit)s;
-
--- name: instance_get
-SELECT id::text, tenant, process, process_version, status::text, dispatch_paused, input,
-       created_at, finished_at
-  FROM instances WHERE id = %(id)s;
-
--- name: instance_operations
-SELECT id, node, activation, operation, route, binding, attempt, status::text, effect::text,
-       owner_revision, result, error, deadline_at, retry_at
-  FROM operations WHERE instance_id = %(id)s ORDER BY created_at;
-
--- name: operation_get
-SELECT id, tenant, instance_id, node, activation, operation, route, owner, principal, binding,
-       input, attempt, digest, status::text, effect::text, owner_revision, result, error,
-       deadline_at, retry_at, created_at, finished_at
-  FROM operations WHERE id = %(id)s;
-
--- name: operation_attempts
-SELECT request_id, attempt, kind, digest, created_at FROM attempts
- WHERE operation_id = %(id)s ORDER BY created_at;
-
--- name: operation_receipts
-SELECT receipt_id, attempt, owner_revision, status, decision, received_at FROM receipt_inbox
- WHERE operation_id = %(id)s ORDER BY received_at;
-
 -- name: successor_intents_pending
 SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';
 
--- name: queries_overdue
-SELECT id, instance_id, status::text FROM operations
- WHERE status = 'reconcile_pending' AND deadline_at < now()
- ORDER BY deadline_at
- LIMIT %(limit)s
-   FOR UPDATE SKIP LOCKED;
+-- name: operations_by_status
+SELECT status::text, count(*) AS n FROM operations GROUP BY status;
 
--- Cancellation ---------------------------------------------------------------------
-
--- name: start_locks
--- Serialises a start request with its cancellation: exactly one of the two wins. The key
--- is the id's canonical spelling, whatever spelling the caller used.
-SELECT pg_advisory_xact_lock(k)
-  FROM (SELECT DISTINCT hashtext(t || '/' || s::uuid::text) AS k
-          FROM unnest(%(tenant)s::text[], %(start_request_id)s::text[]) AS u(t, s)
-         ORDER BY 1) AS keys;
-
--- name: start_tombstones_for
-SELECT tenant, start_request_id::text FROM start_tombstones
- WHERE (tenant, start_request_id) IN (
-       SELECT * FROM unnest(%(tenant)s::text[], %(start_request_id)s::uuid[]));
-
--- name: start_tombstone_late
-UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
- WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
-
--- name: instance_set_cancelling
-UPDATE instances SET status = 'cancelling', updated_at = now()
- WHERE id = %(id)s AND status IN ('running', 'suspended');
-
--- name: instance_settle_cancel
--- A cancelling instance is cancelled once every operation has authoritative evidence.
-UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now()
- WHERE id = %(id)s AND status = 'cancelling'
-   AND NOT EXISTS (SELECT 1 FROM operations
-                    WHERE instance_id = %(id)s
-                      AND status NOT IN ('succeeded', 'failed', 'cancelled'));
-
--- name: p_inbox_lock
--- Acceptance never waits behind execution: a row locked by a running handler (or a
--- concurrent short transaction) is skipped; p_inbox_peek then tells which.
-SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, status,
-       owner_revision, command
-  FROM inbox WHERE request_id = %(id)s
-   FOR UPDATE SKIP LOCKED;
-
--- name: p_inbox_peek
--- Without a lock: does the row exist, and does an executor hold an unexpired claim.
-SELECT request_id::text, coalesce(claimed_until > clock_timestamp(), false) AS claimed
-  FROM inbox WHERE request_id = %(id)s;
-
--- name: p_tombstone_insert
-INSERT INTO tombstones (request_id, tenant, operation_id, reason)
-VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(reason)s)
-ON CONFLICT DO NOTHING;
-
--- name: p_inbox_tombstoned
--- A cancel that arrived before its command takes the command's identity: the late
--- command finds it, and is refused instead of executed.
-INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
-                   status, effect, owner_revision, completed_at)
-VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(attempt)s, %(operation)s, %(digest)s,
-        %(command)s, 'cancelled', 'none', 1, now())
-ON CONFLICT (request_id) DO NOTHING
-RETURNING request_id::text;
-
--- name: p_inbox_cancel
-UPDATE inbox SET status = 'cancelled', effect = 'none', owner_revision = %(owner_revision)s,
-                 completed_at = now()
- WHERE request_id = %(request_id)s AND status = 'accepted';
-
--- Restore runbook and retention ---------------------------------------------------
-
--- name: attempts_known
-SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
-
--- name: p_journal
-SELECT request_id::text, tenant, command->'lineage'->>'instance_id' AS instance_id,
-       operation_id::text, attempt, operation, status, effect, owner_revision, accepted_at,
-       completed_at
-  FROM inbox ORDER BY accepted_at;
+-- Retention (the reconciler, custody retention): bounded deletes, one transaction each ----
 
 -- name: retention_receipts
 DELETE FROM receipt_inbox r
@@ -553,25 +340,7 @@ DELETE FROM quarantine WHERE ctid IN (
   SELECT ctid FROM quarantine WHERE received_at < now() - make_interval(secs => %(horizon)s)
    LIMIT %(limit)s);
 
--- name: p_retention_inbox
--- A settled command's identity, its receipts and its tombstone are forgotten only
--- after the horizon: until then a replay is deduplicated, never executed again.
-WITH old AS (
-  SELECT request_id FROM inbox
-   WHERE status <> 'accepted' AND completed_at < now() - make_interval(secs => %(horizon)s)
-   LIMIT %(limit)s
-), r AS (DELETE FROM receipts WHERE request_id IN (SELECT request_id FROM old)),
-   t AS (DELETE FROM tombstones WHERE request_id IN (SELECT request_id FROM old))
-DELETE FROM inbox WHERE request_id IN (SELECT request_id FROM old);
-
--- name: p_retention_outbox
-DELETE FROM outbox WHERE ctid IN (
-  SELECT ctid FROM outbox WHERE status = 'published'
-     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
-
--- Controlled commands (transitions.sql) -------------------------------------------------
--- op_*: an operator's login; the database takes the actor from session_user.
--- t_*: a worker's policy or engine-channel request, with its own actor.
+-- Controlled commands (transitions.sql), one transaction each: op_* operator, t_* worker ---
 
 -- name: op_reconcile
 SELECT custody.reconcile(%(target)s, %(reason)s) AS outcome;
@@ -624,6 +393,8 @@ SELECT custody.t_restore_resume(%(actor)s, %(reason)s, %(force)s) AS outcome;
 -- name: t_retire_submits
 SELECT custody.t_retire_submits(%(actor)s, %(operation_id)s::uuid) AS n;
 
+-- Operators file (custody migrate, custody operators apply): one transaction --------------
+
 -- name: operators_sync
 -- deploy/operators.toml into the database (custody migrate, custody operators apply)
 INSERT INTO custody.operators (name, actions, tenants, updated_at)
@@ -634,7 +405,69 @@ ON CONFLICT (name) DO UPDATE
 -- name: operators_prune
 DELETE FROM custody.operators WHERE NOT (name = ANY(%(names)s));
 
--- Harness reads (the demo, the bench: workers.harness.env) ------------------------------
+-- Operator reads (the CLI, custody restore): read-only, one transaction per command -------
+
+-- name: control_get
+SELECT dispatch_paused, restore_generation FROM custody.control;
+
+-- name: instance_list
+SELECT id, tenant, process, process_version, status, created_at, finished_at
+  FROM instances
+ WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+ ORDER BY created_at DESC LIMIT %(limit)s;
+
+-- name: instance_get
+SELECT id::text, tenant, process, process_version, status::text, dispatch_paused, input,
+       created_at, finished_at
+  FROM instances WHERE id = %(id)s;
+
+-- name: instance_operations
+SELECT id, node, activation, operation, route, binding, attempt, status::text, effect::text,
+       owner_revision, result, error, deadline_at, retry_at
+  FROM operations WHERE instance_id = %(id)s ORDER BY created_at;
+
+-- name: instance_history
+SELECT id, operation_id, event, detail, actor, at FROM history
+ WHERE instance_id = %(id)s ORDER BY id;
+
+-- name: operation_list
+SELECT id, tenant, instance_id, node, operation, route, binding, attempt, status, effect,
+       owner_revision, created_at, finished_at
+  FROM operations
+ WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+   AND (%(route)s::text IS NULL OR route = %(route)s)
+ ORDER BY created_at DESC LIMIT %(limit)s;
+
+-- name: operation_get
+SELECT id, tenant, instance_id, node, activation, operation, route, owner, principal, binding,
+       input, attempt, digest, status::text, effect::text, owner_revision, result, error,
+       deadline_at, retry_at, created_at, finished_at
+  FROM operations WHERE id = %(id)s;
+
+-- name: operation_attempts
+SELECT request_id, attempt, kind, digest, created_at FROM attempts
+ WHERE operation_id = %(id)s ORDER BY created_at;
+
+-- name: operation_receipts
+SELECT receipt_id, attempt, owner_revision, status, decision, received_at FROM receipt_inbox
+ WHERE operation_id = %(id)s ORDER BY received_at;
+
+-- name: quarantine_list
+SELECT id, source, reason, detail, message_id, user_id, tenant, operation_id, received_at
+  FROM quarantine
+ WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
+ ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: audit_list
+SELECT id, at, actor, action, tenant, target, reason, outcome FROM audit
+ ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: attempts_known
+SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
+
+-- Harness reads (the demo, the bench: workers.harness.env) --------------------------------
 
 -- name: harness_outbox_pending
 SELECT count(*) AS n FROM outbox WHERE status = 'pending';
@@ -644,3 +477,6 @@ SELECT count(*) AS n FROM quarantine;
 
 -- name: harness_succeeded_by_operation
 SELECT operation, count(*) AS n FROM operations WHERE status = 'succeeded' GROUP BY 1;
+
+-- name: instances_by_status
+SELECT status::text, count(*) AS n FROM instances GROUP BY status;

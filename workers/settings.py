@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,9 @@ class Settings:
     routes_file: str = str(ROOT / "deploy" / "routes.toml")
     processes_dir: str = str(ROOT / "deploy" / "processes")
     operators_file: str = str(ROOT / "deploy" / "operators.toml")
+    # Where schema.sql, queries.sql, participant_schema.sql, participant_queries.sql, ...
+    # are (the image sets /app).
+    sql_dir: str = str(ROOT)
     auto_reconcile_s: float = 0.0
     # Start-up switch: no submit leaves the outbox, whatever the database says. It
     # survives a database restore, which the database's own pause flag cannot.
@@ -64,29 +67,23 @@ class Settings:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for f in fields(cls):
-            key = PREFIX + f.name.upper()
-            raw = env.get(key)
-            file_key = key + "_FILE"
-            if file_key in env:
-                if raw is not None:
-                    raise ConfigError(f"set {key} or {file_key}, not both")
-                try:
-                    raw = Path(env[file_key]).read_text().strip()
-                except OSError as exc:
-                    raise ConfigError(f"{file_key}: {exc}") from None
-            if raw is None:
-                continue
-            default: object = f.default
-            convert: Callable[[str], object] = _bool if isinstance(default, bool) else type(default)
-            try:
-                values[f.name] = convert(raw)
-            except ValueError:
-                raise ConfigError(
-                    f"{key}={raw!r} is not a valid {type(default).__name__}"
-                ) from None
+            found, value = _read(f, env)
+            if found:
+                values[f.name] = value
         settings = cls(**values)
         settings.check()
         return settings
+
+    @classmethod
+    def read(cls, name: str, env: Mapping[str, str] | None = None) -> Any:
+        """One setting from the environment (or its default), read as :meth:`from_env`
+        reads it, for a module that needs that setting alone when it is first used."""
+        env = os.environ if env is None else env
+        for f in fields(cls):
+            if f.name == name:
+                found, value = _read(f, env)
+                return value if found else f.default
+        raise KeyError(name)
 
     def check(self) -> None:
         for name in ("batch_size", "prefetch", "confirm_window", "max_message_bytes"):
@@ -103,6 +100,29 @@ class Settings:
     def redacted(self) -> dict[str, Any]:
         """The settings with every password replaced, for ``custody config show``."""
         return {k: _redact(v) if isinstance(v, str) else v for k, v in asdict(self).items()}
+
+
+def _read(f: Field[Any], env: Mapping[str, str]) -> tuple[bool, object]:
+    """``(found, value)`` of one field: ``CUSTODY_<NAME>`` or the file that
+    ``CUSTODY_<NAME>_FILE`` names, converted to the field's type."""
+    key = PREFIX + f.name.upper()
+    raw = env.get(key)
+    file_key = key + "_FILE"
+    if file_key in env:
+        if raw is not None:
+            raise ConfigError(f"set {key} or {file_key}, not both")
+        try:
+            raw = Path(env[file_key]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{file_key}: {exc}") from None
+    if raw is None:
+        return False, None
+    default: object = f.default
+    convert: Callable[[str], object] = _bool if isinstance(default, bool) else type(default)
+    try:
+        return True, convert(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {type(default).__name__}") from None
 
 
 def _bool(raw: str) -> bool:

@@ -178,3 +178,20 @@ def test_redacted_hides_a_libpq_password_parameter(url: str) -> None:
     """Secrets never appear in Settings.redacted(), however libpq is given them."""
     shown = Settings.from_env({"CUSTODY_DATABASE_URL": url}).redacted()
     assert "q-s3cret" not in repr(shown)
+
+
+def test_the_sql_directory_is_a_setting(tmp_path: Path) -> None:
+    """CUSTODY_SQL_DIR (the image sets /app) is read by Settings like every other one;
+    Settings.read gives one setting alone, for a module that needs only it."""
+    assert Settings().sql_dir == str(Path(__file__).resolve().parents[2])
+    assert Settings.from_env({"CUSTODY_SQL_DIR": "/app"}).sql_dir == "/app"
+    assert Settings.read("sql_dir", {"CUSTODY_SQL_DIR": "/app"}) == "/app"
+    assert Settings.read("sql_dir", {}) == Settings().sql_dir
+    where = tmp_path / "dir"
+    where.write_text("/srv/sql\n")
+    assert Settings.read("sql_dir", {"CUSTODY_SQL_DIR_FILE": str(where)}) == "/srv/sql"
+    assert Settings.read("batch_size", {"CUSTODY_BATCH_SIZE": "7"}) == 7
+    with pytest.raises(ConfigError, match="CUSTODY_BATCH_SIZE='x' is not a valid int"):
+        Settings.read("batch_size", {"CUSTODY_BATCH_SIZE": "x"})
+    with pytest.raises(KeyError):
+        Settings.read("no_such_setting", {})

@@ -1,59 +1,73 @@
 """The one module that talks to Postgres.
 
-Queries are named and live in ``queries.sql`` beside ``schema.sql``; workers run
-them by name through a :class:`Tx`. psycopg errors are translated here, once, into
-:class:`workers.errors.DatabaseError` with a retry classification.
+Queries are named and live in ``queries.sql`` (the engine's) and
+``participant_queries.sql`` (the participants'), loaded on first use by
+:mod:`workers.io.sql`; workers run them by name through a :class:`Tx`. JSON parameters
+go through :func:`jsonb`, dumped by orjson on every pooled connection. psycopg errors
+are translated here, once, into :class:`workers.errors.DatabaseError` with a retry
+classification.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-import re
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, LiteralString
+from typing import TYPE_CHECKING, Any, LiteralString
 
+import orjson
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_dumps
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
-from workers.settings import ROOT
+from workers.io import sql as sql_files
 
 Row = dict[str, Any]
 Params = Mapping[str, Any] | Sequence[Any] | None
 
 
-def _load_queries(path: Path) -> dict[str, str]:
-    queries: dict[str, str] = {}
-    name: str | None = None
-    lines: list[str] = []
-    for line in [*path.read_text().splitlines(), "-- name: __end__"]:
-        match = re.match(r"^--\s*name:\s*([a-z_0-9]+)\s*$", line)
-        if match:
-            if name:
-                queries[name] = "\n".join(lines).strip().rstrip(";")
-            name, lines = match.group(1), []
-        elif name:
-            lines.append(line)
-    queries.pop("__end__", None)
-    return queries
+if TYPE_CHECKING:
+    SQL_DIR: Path  # the SQL directory: workers.io.sql.directory()
+    QUERIES: Mapping[str, str]  # every named query: workers.io.sql.queries()
+else:
+
+    def __getattr__(name: str) -> Any:
+        """``db.SQL_DIR`` and ``db.QUERIES``, for callers older than
+        :mod:`workers.io.sql`: resolved on first access, never at import."""
+        if name == "SQL_DIR":
+            return sql_files.directory()
+        if name == "QUERIES":
+            return sql_files.queries()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-SQL_DIR = Path(os.environ.get("CUSTODY_SQL_DIR", str(ROOT)))
-QUERIES = _load_queries(SQL_DIR / "queries.sql")
+def _dumps(value: Any) -> bytes:
+    """JSON for a jsonb parameter: orjson; the standard library for what orjson refuses
+    and JSON allows (an integer beyond 64 bits, as a participant's result may hold)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def jsonb(value: Any) -> Jsonb:
-    """Wrap a JSON value for a jsonb parameter."""
+    """Wrap a JSON value for a jsonb parameter (the one way callers send JSON; the
+    pool's connections dump it with orjson)."""
     return Jsonb(value)
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Every pooled connection: JSON parameters are dumped by orjson."""
+    set_json_dumps(_dumps, conn)
 
 
 def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseError:
@@ -105,10 +119,7 @@ class Tx:
 
 
 def _q(name: str) -> LiteralString:
-    try:
-        return QUERIES[name]  # mypy treats LiteralString as str; these come from one file
-    except KeyError:
-        raise errors.CustodyError(f"no query named {name!r} in queries.sql") from None
+    return sql_files.query(name)
 
 
 @dataclass
@@ -146,9 +157,11 @@ class Database:
                 "options": f"-c search_path={schema},public",
             },
             name=f"custody-{name}",
+            configure=_configure,
         )
 
     async def open(self) -> None:
+        sql_files.queries()  # a missing or broken SQL file stops a worker at start-up
         try:
             await self._pool.open(wait=True, timeout=15)
             self.healthy = True

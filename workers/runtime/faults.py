@@ -1,7 +1,8 @@
 """Crash points: exact places where a test can make a worker die by SIGKILL.
 
 Enabled only through ``CUSTODY_CRASH_POINTS`` (comma-separated names), which the
-fault tests set for one worker process. Each point fires once per process.
+fault tests set for one worker process. Each point fires once per process. The
+environment is read on first use, not at import: an unknown name is refused then.
 
 Points inside a unit's transaction (:func:`point`) can also freeze the process there
 (``CUSTODY_STOP_POINTS``: a pause past its lease, a zombie) or, for tests that run
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Final
 
 POINTS: Final = frozenset(
@@ -38,12 +40,67 @@ POINTS: Final = frozenset(
 # unit with more I/O to do would: the worker's other tasks (the heartbeat) run first.
 RESUME_YIELD_S: Final = 0.5
 
-_enabled = frozenset(p for p in os.environ.get("CUSTODY_CRASH_POINTS", "").split(",") if p)
-# Stop points: the process SIGSTOPs itself there (a pause past its lease: a zombie).
-_stops = frozenset(p for p in os.environ.get("CUSTODY_STOP_POINTS", "").split(",") if p)
-_unknown = (_enabled | _stops) - POINTS
-if _unknown:
-    raise RuntimeError(f"unknown crash points: {sorted(_unknown)}")
+# Deliberately broken builds (``CUSTODY_BROKEN``): the chaos checker's own tests arm one
+# and expect the run to fail. Never set outside those tests.
+BROKEN: Final = frozenset(
+    {
+        "ack_before_commit",
+        "mark_before_confirm",
+        "ignore_lease",
+        "skip_instance_recheck",
+        "accepted_as_success",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Armed:
+    """What the environment armed in this process (nothing, outside the fault tests)."""
+
+    crash: frozenset[str] = frozenset()
+    stops: frozenset[str] = frozenset()
+    broken: frozenset[str] = frozenset()
+    poison: bytes = b""
+
+
+def _names(env: Mapping[str, str], key: str) -> frozenset[str]:
+    return frozenset(p for p in env.get(key, "").split(",") if p)
+
+
+def parse(env: Mapping[str, str]) -> Armed:
+    """The points, stop points, broken builds and poison marker ``env`` arms; unknown
+    names are refused."""
+    crash = _names(env, "CUSTODY_CRASH_POINTS")
+    # Stop points: the process SIGSTOPs itself there (a pause past its lease: a zombie).
+    stops = _names(env, "CUSTODY_STOP_POINTS")
+    unknown = (crash | stops) - POINTS
+    if unknown:
+        raise RuntimeError(f"unknown crash points: {sorted(unknown)}")
+    broken = _names(env, "CUSTODY_BROKEN")
+    if broken - BROKEN:
+        raise RuntimeError(f"unknown broken builds: {sorted(broken - BROKEN)}")
+    poison = env.get("CUSTODY_FAULT_POISON_MARKER", "").encode()
+    return Armed(crash, stops, broken, poison)
+
+
+_armed: Armed | None = None
+
+
+def armed() -> Armed:
+    """This process's faults, parsed from the environment on first use (not at import)."""
+    global _armed
+    if _armed is None:
+        _armed = parse(os.environ)
+    return _armed
+
+
+def arm(env: Mapping[str, str] | None = None) -> Armed:
+    """Parse ``env`` (the environment by default) now and use it from now on: for a
+    worker's start-up, so that an unknown name stops it before it takes work, and for
+    tests."""
+    global _armed
+    _armed = parse(os.environ if env is None else env)
+    return _armed
 
 
 _stopped: set[str] = set()
@@ -51,9 +108,10 @@ _stopped: set[str] = set()
 
 def crash_point(name: str) -> None:
     """Die here (SIGKILL), or freeze here once (SIGSTOP), if the test enabled this point."""
-    if name in _enabled:
+    faults = armed()
+    if name in faults.crash:
         os.kill(os.getpid(), signal.SIGKILL)
-    if name in _stops and name not in _stopped:
+    if name in faults.stops and name not in _stopped:
         _stopped.add(name)
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -75,7 +133,7 @@ def set_hook(name: str, hook: Callable[[], Awaitable[None]] | None) -> None:
 async def point(name: str) -> None:
     """A point inside a unit of work: crash, freeze (then let the other tasks run), or
     await the test's hook there."""
-    frozen = name in _stops and name not in _stopped
+    frozen = name in armed().stops and name not in _stopped
     crash_point(name)
     if frozen:
         await asyncio.sleep(RESUME_YIELD_S)
@@ -85,42 +143,24 @@ async def point(name: str) -> None:
 
 
 def enabled(name: str) -> bool:
-    return name in _enabled
-
-
-# Deliberately broken builds (``CUSTODY_BROKEN``): the chaos checker's own tests arm one
-# and expect the run to fail. Never set outside those tests.
-BROKEN: Final = frozenset(
-    {
-        "ack_before_commit",
-        "mark_before_confirm",
-        "ignore_lease",
-        "skip_instance_recheck",
-        "accepted_as_success",
-    }
-)
-_broken = frozenset(p for p in os.environ.get("CUSTODY_BROKEN", "").split(",") if p)
-if _broken - BROKEN:
-    raise RuntimeError(f"unknown broken builds: {sorted(_broken - BROKEN)}")
+    return name in armed().crash
 
 
 def broken(name: str) -> bool:
-    return name in _broken
+    return name in armed().broken
 
 
 class InjectedPoison(RuntimeError):
     """Raised for a delivery carrying the test's poison marker (tests only)."""
 
 
-_poison = os.environ.get("CUSTODY_FAULT_POISON_MARKER", "").encode()
-
-
 def set_poison_marker(marker: str) -> None:
     """Tests: make any delivery whose body contains ``marker`` fail its unit of work."""
-    global _poison
-    _poison = marker.encode()
+    global _armed
+    _armed = replace(armed(), poison=marker.encode())
 
 
 def poison_check(worker: str, bodies: list[bytes]) -> None:
-    if _poison and any(_poison in b for b in bodies):
+    poison = armed().poison
+    if poison and any(poison in b for b in bodies):
         raise InjectedPoison(f"{worker}: injected poison message")

@@ -1,0 +1,191 @@
+-- Participant queries (search_path = the participant's schema, participant_schema.sql),
+-- loaded by workers/io/sql.py together with queries.sql; a name is unique across the two
+-- files. Each group below is a commit boundary of workers/participant. The publisher's
+-- mark, release and stats are queries.sql's outbox_* (the two outbox tables have one
+-- shape).
+
+-- Acceptor: a batch of deliveries (commands, cancels, queries) in one transaction ---------
+
+-- name: p_tombstones_for
+SELECT request_id::text FROM tombstones WHERE request_id = ANY(%(ids)s);
+
+-- name: p_inbox_accept
+INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
+                   status, effect, owner_revision, traceparent)
+SELECT * FROM unnest(%(request_id)s::uuid[], %(tenant)s::text[], %(operation_id)s::uuid[],
+                     %(attempt)s::int[], %(operation)s::text[], %(digest)s::text[],
+                     %(command)s::jsonb[], %(status)s::text[], %(effect)s::text[],
+                     %(owner_revision)s::int[], %(traceparent)s::text[])
+ON CONFLICT (request_id) DO NOTHING
+RETURNING request_id::text;
+
+-- name: p_inbox_get
+SELECT request_id::text, digest, status, owner_revision FROM inbox
+ WHERE request_id = ANY(%(ids)s);
+
+-- name: p_reemit_latest
+-- A repeated command gets the existing receipt again: the same id and bytes.
+UPDATE outbox o
+   SET status = 'pending', next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL
+  FROM (SELECT DISTINCT ON (request_id) receipt_id FROM receipts
+         WHERE request_id = ANY(%(ids)s)
+         ORDER BY request_id, owner_revision DESC) r
+ WHERE o.id = r.receipt_id AND o.status = 'published';
+
+-- name: p_conflict_insert
+INSERT INTO conflicts (request_id, stored_digest, received_digest, command)
+VALUES (%(request_id)s, %(stored_digest)s, %(received_digest)s, %(command)s);
+
+-- name: p_refused_insert
+INSERT INTO refused (reason, detail, message_id, body)
+VALUES (%(reason)s, %(detail)s, %(message_id)s, %(body)s);
+
+-- name: p_inbox_lock
+-- Acceptance never waits behind execution: a row locked by a running handler (or a
+-- concurrent short transaction) is skipped; p_inbox_peek then tells which.
+SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, status,
+       owner_revision, command
+  FROM inbox WHERE request_id = %(id)s
+   FOR UPDATE SKIP LOCKED;
+
+-- name: p_inbox_peek
+-- Without a lock: does the row exist, and does an executor hold an unexpired claim.
+SELECT request_id::text, coalesce(claimed_until > clock_timestamp(), false) AS claimed
+  FROM inbox WHERE request_id = %(id)s;
+
+-- name: p_tombstone_insert
+INSERT INTO tombstones (request_id, tenant, operation_id, reason)
+VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(reason)s)
+ON CONFLICT DO NOTHING;
+
+-- name: p_inbox_tombstoned
+-- A cancel that arrived before its command takes the command's identity: the late
+-- command finds it, and is refused instead of executed.
+INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
+                   status, effect, owner_revision, completed_at)
+VALUES (%(request_id)s, %(tenant)s, %(operation_id)s, %(attempt)s, %(operation)s, %(digest)s,
+        %(command)s, 'cancelled', 'none', 1, now())
+ON CONFLICT (request_id) DO NOTHING
+RETURNING request_id::text;
+
+-- name: p_inbox_cancel
+UPDATE inbox SET status = 'cancelled', effect = 'none', owner_revision = %(owner_revision)s,
+                 completed_at = now()
+ WHERE request_id = %(request_id)s AND status = 'accepted';
+
+-- name: p_latest_receipts
+SELECT DISTINCT ON (request_id) request_id::text, body FROM receipts
+ WHERE request_id = ANY(%(ids)s)
+ ORDER BY request_id, owner_revision DESC;
+
+-- Receipts and answers: written inside the accepting or executing transaction -------------
+
+-- name: p_receipt_insert
+INSERT INTO receipts (receipt_id, request_id, owner_revision, body)
+VALUES (%(receipt_id)s, %(request_id)s, %(owner_revision)s, %(body)s)
+ON CONFLICT (receipt_id) DO NOTHING;
+
+-- name: p_outbox_insert
+INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
+VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
+ON CONFLICT (id) DO NOTHING;
+
+-- name: p_answer_upsert
+-- Every query is answered, a repeated one included (a restored engine re-issues query
+-- ids): an answer row that exists is re-armed with the current answer. A row claimed
+-- by a publisher right now loses its claim, so its mark fails and it is sent again: a
+-- publication always starts after the query was retained.
+INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
+VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
+ON CONFLICT (id) DO UPDATE
+   SET body = excluded.body, headers = excluded.headers, status = 'pending',
+       next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL,
+       published_at = NULL, last_error = NULL;
+
+-- Executor: a short claim transaction, then one transaction per handler -------------------
+
+-- name: p_exec_claim
+-- A short transaction: the executor marks a batch as its own (claim token, expiry) and
+-- commits; no row lock outlives it. A row whose handler runs right now is locked by
+-- that handler's transaction and skipped; a crashed executor's claims expire, and an
+-- executor redoing its unit after a transient failure takes its own back at once.
+UPDATE inbox i
+   SET claimed_until = clock_timestamp() + make_interval(secs => %(ttl)s),
+       claim_token = %(token)s
+ WHERE i.request_id IN (SELECT request_id FROM inbox
+                         WHERE status = 'accepted'
+                           AND (claimed_until IS NULL OR claimed_until < clock_timestamp()
+                                OR claim_token = %(token)s)
+                         ORDER BY accepted_at
+                         LIMIT %(limit)s
+                           FOR UPDATE SKIP LOCKED)
+RETURNING i.request_id::text, i.accepted_at;
+
+-- name: p_exec_lock
+-- One handler's transaction re-locks its row and re-checks it: still accepted (a
+-- cancel may have settled it since the claim) and still claimed by this executor (an
+-- expired claim may have been taken by another). No row: the handler does not run.
+SELECT request_id::text, tenant, operation_id::text, attempt, operation, digest, command,
+       owner_revision, executions, traceparent
+  FROM inbox
+ WHERE request_id = %(request_id)s AND status = 'accepted' AND claim_token = %(token)s
+   FOR UPDATE;
+
+-- name: p_exec_defer
+-- The claim is dropped (no token) and the row waits out its backoff before any claim.
+UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(delay)s),
+                 claim_token = NULL, executions = executions + 1
+ WHERE request_id = %(request_id)s AND status = 'accepted';
+
+-- name: p_exec_complete
+UPDATE inbox
+   SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
+       result = %(result)s, error = %(error)s, completed_at = now(),
+       claimed_until = NULL, claim_token = NULL
+ WHERE request_id = %(request_id)s AND status = 'accepted';
+
+-- Publisher: claim a batch in one transaction (mark and release: queries.sql's outbox_*) ---
+
+-- name: p_outbox_claim
+UPDATE outbox o
+   SET claimed_by = %(holder)s,
+       claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
+       publish_attempts = o.publish_attempts + 1
+ WHERE o.id IN (SELECT id FROM outbox
+                 WHERE status = 'pending' AND next_attempt_at <= now()
+                   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
+                 ORDER BY next_attempt_at
+                 LIMIT %(limit)s
+                   FOR UPDATE SKIP LOCKED)
+RETURNING o.id, o.exchange, o.routing_key, o.body, o.headers, o.operation_id, o.publish_attempts;
+
+-- Retention (the participant, custody retention): bounded deletes, one transaction each ---
+
+-- name: p_retention_inbox
+-- A settled command's identity, its receipts and its tombstone are forgotten only
+-- after the horizon: until then a replay is deduplicated, never executed again.
+WITH old AS (
+  SELECT request_id FROM inbox
+   WHERE status <> 'accepted' AND completed_at < now() - make_interval(secs => %(horizon)s)
+   LIMIT %(limit)s
+), r AS (DELETE FROM receipts WHERE request_id IN (SELECT request_id FROM old)),
+   t AS (DELETE FROM tombstones WHERE request_id IN (SELECT request_id FROM old))
+DELETE FROM inbox WHERE request_id IN (SELECT request_id FROM old);
+
+-- name: p_retention_outbox
+DELETE FROM outbox WHERE ctid IN (
+  SELECT ctid FROM outbox WHERE status = 'published'
+     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
+
+-- Operator reads: custody quarantine (refused) and custody restore report (journal) -------
+
+-- name: p_refused_list
+SELECT id, reason, detail, message_id, received_at FROM refused
+ WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
+ ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: p_journal
+SELECT request_id::text, tenant, command->'lineage'->>'instance_id' AS instance_id,
+       operation_id::text, attempt, operation, status, effect, owner_revision, accepted_at,
+       completed_at
+  FROM inbox ORDER BY accepted_at;
