@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install services demo test test-tools lint bench schemas clean
+.PHONY: install services demo test test-unit test-tools lint bench schemas clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test-tools:
 
 test: install services test-tools
 	$(BIN)/pytest
+
+# The tier that needs no service (no Postgres, no RabbitMQ): pure code, the deploy
+# files, the layers; the JSON-schema checks use check-jsonschema from .venv-tools.
+test-unit: install test-tools
+	$(BIN)/pytest tests/unit
 
 lint: install
 	$(BIN)/ruff check .

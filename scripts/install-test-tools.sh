@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the external tools the test suite runs, into their own venv apart from the
 # project's .venv: check-jsonschema (tests/unit/test_logging.py,
-# tests/acceptance/test_observability.py) and promtool (test_observability.py), both
+# tests/acceptance/test_logs.py) and promtool (tests/acceptance/test_metrics.py), both
 # at .venv-tools/bin where the tests look for them. promtool is extracted from
 # Debian's `prometheus` package (no server is installed or started), or linked from
 # PATH when the system has one. Then checks, without installing, the system tools

@@ -1,0 +1,359 @@
+"""The custody run: the fleet started the way ``custody demo`` starts it, a warm-up
+trickle, then a burst of order-fulfilment instances; the figures, and the checks that
+fail the run on a wrong answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.common import BenchFailure
+from bench.cpu import CpuWindow, Probe
+from bench.pg_activity import ActivitySampler
+from bench.resources import drop_database, fresh_vhost
+from workers import provision
+from workers.harness import demo, env, fleet
+from workers.io import broker
+from workers.settings import Settings
+
+ENGINE_DB = "custody_bench"
+PARTICIPANT_DB = "custody_bench_participants"
+VHOST = "custody-bench"
+FINISHED = ("completed", "failed", "cancelled")
+
+
+@dataclass
+class CustodyResult:
+    replicas: int
+    instances: int
+    processes: int
+    ops: int
+    seconds: float
+    completed: int
+    failed: int
+    inst_p50_ms: float
+    inst_p99_ms: float
+    inst_max_ms: float
+    op_p50_ms: float
+    op_p99_ms: float
+    warm_instances: int
+    warm_p50_ms: float
+    warm_max_ms: float
+    effects: dict[str, tuple[int, int]]  # table -> (rows, expected)
+    duplicates: int
+    quarantined: int
+    shutdown_codes: list[int]
+    cpu: CpuWindow
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds
+
+
+def _start_items(orders: Sequence[dict[str, Any]]) -> list[broker.Outgoing]:
+    return [
+        broker.start_request(
+            tenant="acme", process="order-fulfilment", input=order, requested_by="bench"
+        )
+        for order in orders
+    ]
+
+
+async def _publish_starts(
+    publisher: broker.Publisher, items: Sequence[broker.Outgoing], *, pace_s: float = 0.0
+) -> None:
+    if pace_s:
+        for item in items:
+            outcomes = await publisher.publish_many([item])
+            if not outcomes[0].ok:
+                raise BenchFailure(f"start request not confirmed: {outcomes[0].error}")
+            await asyncio.sleep(pace_s)
+        return
+    bad = [o for o in await publisher.publish_many(items) if not o.ok]
+    if bad:
+        raise BenchFailure(f"{len(bad)} start requests not confirmed: {bad[0].error}")
+
+
+async def _wait_consumers(settings: Settings, replicas: int, crew: fleet.Fleet) -> None:
+    """Until every queue the fleet consumes has its consumers (the workers are up)."""
+    deadline = time.monotonic() + 60
+    while True:
+        rows = await broker.management(
+            settings.amqp_management_url,
+            "GET",
+            f"/api/queues/{VHOST}?columns=name,consumers",
+        )
+        wanted = [
+            r
+            for r in rows or []
+            if r["name"] in (broker.QUEUE_REQUESTS, broker.QUEUE_RECEIPTS)
+            or str(r["name"]).startswith("custody.commands.")
+        ]
+        if wanted and all(int(r.get("consumers") or 0) >= replicas for r in wanted):
+            return
+        if crew.dead():
+            raise BenchFailure(f"a worker died while starting: {crew.dead()}")
+        if time.monotonic() > deadline:
+            raise BenchFailure(f"the fleet's consumers did not come up: {rows}")
+        await asyncio.sleep(0.2)
+
+
+async def _wait_finished(
+    conn: psycopg.AsyncConnection[tuple[Any, ...]],
+    prefix: str,
+    n: int,
+    crew: fleet.Fleet,
+    *,
+    timeout_s: float,
+    progress: bool,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    last = 0.0
+    while True:
+        row = await (
+            await conn.execute(
+                "SELECT count(*) FILTER (WHERE status::text = ANY(%s)), count(*)"
+                " FROM custody.instances WHERE input->>'order_id' LIKE %s",
+                (list(FINISHED), prefix + "%"),
+            )
+        ).fetchone()
+        done, created = (int(row[0]), int(row[1])) if row else (0, 0)
+        if done >= n:
+            return
+        if crew.dead():
+            raise BenchFailure(f"a worker died: {crew.dead()}")
+        if time.monotonic() > deadline:
+            raise BenchFailure(
+                f"only {done}/{n} instances finished ({created} created) after {timeout_s:.0f}s"
+            )
+        if progress and time.monotonic() - last >= 5:
+            print(
+                f"    {time.monotonic() - started:5.1f}s: {done}/{n} instances finished,"
+                f" {created} created",
+                flush=True,
+            )
+            last = time.monotonic()
+        await asyncio.sleep(0.1)
+
+
+async def run_custody(
+    settings: Settings, *, replicas: int, instances: int, warmup: int, logs: Path
+) -> CustodyResult:
+    engine_url = env.with_db(settings.database_url, ENGINE_DB)
+    part_url = env.with_db(settings.participant_database_url, PARTICIPANT_DB)
+    admin_url = env.with_db(settings.database_url, "postgres")
+    amqp_url = env.with_vhost(settings.amqp_url, VHOST)
+    bench = replace(
+        settings,
+        database_url=engine_url,
+        participant_database_url=part_url,
+        amqp_url=amqp_url,
+        log_format="json",
+    )
+    print(
+        f"custody: {instances} order-fulfilment instances (+{warmup} warm-up),"
+        f" {replicas} replica(s) per worker",
+        flush=True,
+    )
+    await env.reset_database(engine_url)
+    await env.reset_database(part_url)
+    await fresh_vhost(settings, VHOST)
+    crew: fleet.Fleet | None = None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            await provision.migrate(bench, participants=True)
+            await provision.apply_topology(bench)
+            await provision.dev_users(bench, demo.DEV_PASSWORD)
+        worker_env = {
+            "CUSTODY_DATABASE_URL": engine_url,
+            "CUSTODY_PARTICIPANT_DATABASE_URL": part_url,
+            "CUSTODY_AMQP_URL": amqp_url,
+            "CUSTODY_LOG_FORMAT": "json",
+            "CUSTODY_POLL_INTERVAL_S": os.environ.get("CUSTODY_POLL_INTERVAL_S", "0.5"),
+        }
+        participant_env = {
+            name: {
+                "CUSTODY_AMQP_URL": env.with_vhost(
+                    settings.amqp_url, VHOST, f"custody-{name}", demo.DEV_PASSWORD
+                )
+            }
+            for name in fleet.PARTICIPANTS
+        }
+        crew = fleet.Fleet(env=worker_env, log_dir=logs / f"custody-r{replicas}")
+        crew.start_all(replicas=replicas, participant_env=participant_env)
+        await _wait_consumers(settings, replicas, crew)
+        measured = _start_items(demo.orders(instances))
+        warm_orders = [
+            {**o, "order_id": f"warm-{i:05d}"} for i, o in enumerate(demo.orders(warmup, seed=11))
+        ]
+        warm = _start_items(warm_orders)
+        amqp = broker.Broker(amqp_url, "bench-client")
+        await amqp.connect()
+        try:
+            pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
+            async with await psycopg.AsyncConnection.connect(
+                engine_url, autocommit=True, application_name="bench-poll"
+            ) as conn:
+                # warm-up: a trickle, so its latency is the unloaded one
+                await _publish_starts(pub, warm, pace_s=0.05)
+                await _wait_finished(conn, "warm-", warmup, crew, timeout_s=60, progress=False)
+                labels = {p.name: p.popen.pid for p in crew.procs}
+                groups = dict.fromkeys(labels, "custody workers")
+                labels["bench (this process)"] = os.getpid()
+                databases = [ENGINE_DB, PARTICIPANT_DB]
+                async with (
+                    Probe(admin_url, labels, groups, databases) as probe,
+                    ActivitySampler(admin_url, databases) as sampler,
+                ):
+                    start = await probe.snapshot()
+                    t0_row = await (await conn.execute("SELECT clock_timestamp()")).fetchone()
+                    assert t0_row is not None
+                    await _publish_starts(pub, measured)
+                    await _wait_finished(
+                        conn,
+                        "order-",
+                        instances,
+                        crew,
+                        timeout_s=30 + instances * 0.05,
+                        progress=True,
+                    )
+                    end = await probe.snapshot()
+                cpu = probe.window(start, end)
+                cpu.activity = sampler.result
+                figures = await _custody_figures(conn, t0_row[0])
+                await _wait_outbox_drained(conn)
+        finally:
+            await amqp.close()
+        counts = await env.counts(engine_url, part_url)
+        succeeded = counts["succeeded_by_operation"]
+        expected = {
+            "inventory.reservations": succeeded.get("inventory.reserve", 0),
+            "inventory.releases": succeeded.get("inventory.release", 0),
+            "payments.charges": succeeded.get("payments.charge", 0),
+            "shipping.shipments": succeeded.get("shipping.ship", 0),
+        }
+        effects = {k: (int(counts["effects"][k]), v) for k, v in expected.items()}
+        processes = len(crew.procs)
+        codes = crew.stop(grace_s=20)
+        crew = None
+        result = CustodyResult(
+            replicas=replicas,
+            instances=instances,
+            processes=processes,
+            effects=effects,
+            duplicates=int(counts["duplicates"]),
+            quarantined=int(counts["quarantined"]),
+            shutdown_codes=sorted(codes.values()),
+            cpu=cpu,
+            **figures,
+        )
+        _verify(result, counts)
+        return result
+    finally:
+        if crew is not None:
+            crew.stop(grace_s=20)
+        await drop_database(engine_url)
+        await drop_database(part_url)
+        await broker.delete_vhost(settings.amqp_management_url, VHOST)
+
+
+async def _custody_figures(
+    conn: psycopg.AsyncConnection[tuple[Any, ...]], t0: datetime
+) -> dict[str, Any]:
+    [inst] = await (
+        await conn.execute(
+            "SELECT extract(epoch FROM max(finished_at) - %s),"
+            " count(*) FILTER (WHERE status = 'completed'),"
+            " count(*) FILTER (WHERE status = 'failed'),"
+            " percentile_cont(0.5) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM finished_at - created_at)),"
+            " percentile_cont(0.99) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM finished_at - created_at)),"
+            " extract(epoch FROM max(finished_at - created_at))"
+            " FROM custody.instances WHERE input->>'order_id' LIKE 'order-%%'",
+            (t0,),
+        )
+    ).fetchall()
+    [ops] = await (
+        await conn.execute(
+            "SELECT count(*),"
+            " percentile_cont(0.5) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM o.finished_at - o.created_at)),"
+            " percentile_cont(0.99) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM o.finished_at - o.created_at))"
+            " FROM custody.operations o JOIN custody.instances i ON i.id = o.instance_id"
+            " WHERE i.input->>'order_id' LIKE 'order-%'"
+        )
+    ).fetchall()
+    [warm] = await (
+        await conn.execute(
+            "SELECT count(*),"
+            " percentile_cont(0.5) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM finished_at - created_at)),"
+            " extract(epoch FROM max(finished_at - created_at))"
+            " FROM custody.instances WHERE input->>'order_id' LIKE 'warm-%'"
+        )
+    ).fetchall()
+    return {
+        "seconds": float(inst[0]),
+        "completed": int(inst[1]),
+        "failed": int(inst[2]),
+        "inst_p50_ms": float(inst[3]) * 1000,
+        "inst_p99_ms": float(inst[4]) * 1000,
+        "inst_max_ms": float(inst[5]) * 1000,
+        "ops": int(ops[0]),
+        "op_p50_ms": float(ops[1]) * 1000,
+        "op_p99_ms": float(ops[2]) * 1000,
+        "warm_instances": int(warm[0]),
+        "warm_p50_ms": float(warm[1] or 0) * 1000,
+        "warm_max_ms": float(warm[2] or 0) * 1000,
+    }
+
+
+async def _wait_outbox_drained(conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
+    """A receipt may overtake the publisher's mark: give the last marks a moment."""
+    deadline = time.monotonic() + 15
+    while True:
+        row = await (
+            await conn.execute("SELECT count(*) FROM custody.outbox WHERE status = 'pending'")
+        ).fetchone()
+        if row is None or int(row[0]) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise BenchFailure(f"{row[0]} outbox rows still pending after every instance finished")
+        await asyncio.sleep(0.1)
+
+
+def _verify(result: CustodyResult, counts: Mapping[str, Any]) -> None:
+    problems = []
+    total = result.instances + result.warm_instances
+    inst = counts["instances"]
+    done = sum(int(inst.get(s, 0)) for s in FINISHED)
+    if done != total:
+        problems.append(f"{done}/{total} instances finished ({inst})")
+    mismatched = {k: v for k, v in result.effects.items() if v[0] != v[1]}
+    if mismatched:
+        problems.append(f"effects (rows, expected = operations succeeded): {mismatched}")
+    if result.duplicates:
+        problems.append(f"{result.duplicates} duplicate effects")
+    if result.quarantined:
+        problems.append(f"{result.quarantined} messages quarantined")
+    if any(result.shutdown_codes):
+        problems.append(f"shutdown not clean: exit codes {result.shutdown_codes}")
+    if result.ops < result.instances:
+        problems.append(f"only {result.ops} operations for {result.instances} instances")
+    if problems:
+        raise BenchFailure(
+            f"custody with {result.replicas} replica(s) gave a WRONG answer: " + "; ".join(problems)
+        )

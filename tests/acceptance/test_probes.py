@@ -1,0 +1,183 @@
+"""Observability of real worker processes: liveness and readiness.
+
+Liveness (/healthz) does not depend on the broker or the database, while readiness
+(/readyz) follows the connections: a broker or database outage turns it 503, and both
+recover when the dependency comes back; a connection lost while a consumer is set up
+does not kill the worker.
+
+The shared broker and database are never stopped: a dependency is made unreachable for
+one worker only, through the TCP proxy in ``tests/proxy.py``. Every wait is a bounded
+poll; nothing sleeps a fixed time. The helpers live in ``tests/acceptance/observability.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.acceptance.observability import (
+    http_get,
+    poll,
+    sigterm,
+    start,
+    status_of,
+    tail,
+    wait_ready,
+)
+from tests.acceptance.support import Crew, all_finished, state
+from tests.conftest import Env
+from tests.harness import order, publish_raw, publish_starts
+from tests.proxy import Proxy, amqp_port, pg_port, pg_proxied_url
+from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS
+from workers.io import broker
+
+pytestmark = pytest.mark.acceptance
+
+
+async def consuming(env: Env, crew: Crew, worker: str, n: int) -> None:
+    """Wait until a consuming worker has handled its n-th malformed message (its
+    consumer is really running): a receipt the receipts worker quarantines, a command
+    a participant refuses. The publisher consumes nothing: no-op."""
+    if worker == "receipts":
+        await publish_raw(env.settings, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, [b"[1"])
+        query, participant = "SELECT count(*) FROM custody.quarantine", False
+    elif worker in PARTICIPANTS:
+        binding = f"{worker}.v1"
+        await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, binding, [b"[1"])
+        query, participant = f"SELECT count(*) FROM participant_{worker}.refused", True
+    else:
+        return
+
+    async def handled() -> bool:
+        return int(await env.scalar(query, participant=participant)) >= n
+
+    await crew.wait(handled, timeout=20, what=f"{worker} to consume its malformed message #{n}")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("worker", ["publisher", "receipts", "inventory"])
+async def test_a_broker_outage_turns_readyz_503_while_healthz_stays_200_and_both_recover(
+    env: Env, crew: Crew, worker: str
+) -> None:
+    """One worker reaches RabbitMQ through a proxy the test owns. Cutting the proxy
+    (every connection reset, reconnects refused) turns its /readyz 503 while /healthz
+    stays 200 and the process lives through refused reconnects; healing the proxy brings
+    /readyz back to 200 (aio-pika's robust connection), the worker does real work again,
+    and a SIGTERM still drains it to exit 0."""
+    url = env.participant_amqp(worker) if worker in PARTICIPANTS else env.settings.amqp_url
+    async with Proxy(amqp_port(url)) as proxy:
+        s = start(crew, worker, CUSTODY_AMQP_URL=proxy.amqp_url(url))
+        await wait_ready(crew, [s])
+        await consuming(env, crew, worker, 1)
+
+        proxy.cut()
+
+        async def not_ready_but_alive() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            return await status_of(s, "/readyz") == 503
+
+        await poll(not_ready_but_alive, timeout=20, what="/readyz 503", alive=[s.proc])
+        refused = proxy.refused
+
+        async def tried_again() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            assert await status_of(s, "/readyz") == 503, "ready while the broker is unreachable"
+            return proxy.refused > refused
+
+        await poll(tried_again, timeout=30, what="a refused reconnect attempt", alive=[s.proc])
+
+        proxy.heal()
+
+        async def ready_again() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            return await status_of(s, "/readyz") == 200
+
+        try:
+            await poll(ready_again, timeout=30, what="/readyz 200 again", alive=[s.proc])
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{tail(s.proc)}") from None
+
+        for other in (*ENGINE_WORKERS, *PARTICIPANTS):
+            if other != worker:
+                start(crew, other, port=0)
+        n = 3
+        await publish_starts(env.settings, [order(i) for i in range(n)])
+        try:
+            await crew.wait(all_finished(env, n), timeout=40, what="work through the worker")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {await state(env)}\n{tail(s.proc)}") from None
+        assert await sigterm(crew, s.proc) == 0, tail(s.proc)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("worker", ["receipts", "inventory"])
+async def test_a_connection_lost_while_the_consumer_is_set_up_does_not_kill_the_worker(
+    env: Env, crew: Crew, worker: str
+) -> None:
+    """The broker connection drops right after the AMQP handshake, when the worker opens
+    its first channel (to set up its consumer), and stays down a while: the worker lives
+    (/healthz 200) and is not ready; once the broker is back it becomes ready and
+    consumes."""
+    url = env.participant_amqp(worker) if worker in PARTICIPANTS else env.settings.amqp_url
+    async with Proxy(amqp_port(url)) as proxy:
+        proxy.cut_when_a_channel_opens()
+        s = start(crew, worker, CUSTODY_AMQP_URL=proxy.amqp_url(url))
+
+        async def cut_and_retried() -> bool:
+            assert await status_of(s, "/healthz") in (None, 200)
+            return proxy.mode == "refuse" and proxy.refused > 0
+
+        try:
+            await poll(cut_and_retried, timeout=30, what="a refused reconnect", alive=[s.proc])
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{tail(s.proc)}") from None
+        assert await status_of(s, "/healthz") == 200
+        assert await status_of(s, "/readyz") == 503
+        proxy.heal()
+        await wait_ready(crew, [s])
+        await consuming(env, crew, worker, 1)
+
+
+@pytest.mark.timeout(90)
+async def test_readyz_is_503_until_the_worker_has_connected(env: Env, crew: Crew) -> None:
+    """While the broker does not answer the AMQP handshake, a starting worker is alive
+    (/healthz 200) but not ready (/readyz 503)."""
+    async with Proxy(amqp_port(env.settings.amqp_url)) as proxy:
+        proxy.hang()
+        s = start(crew, "publisher", CUSTODY_AMQP_URL=proxy.amqp_url(env.settings.amqp_url))
+
+        async def alive() -> bool:
+            return await status_of(s, "/healthz") == 200 and proxy.accepted > 0
+
+        await poll(alive, timeout=20, what="/healthz 200 and a connection attempt", alive=[s.proc])
+        readiness = await http_get(s.port, "/readyz")
+        assert readiness is not None and readiness[0] == 503, (
+            f"/readyz while the AMQP handshake is unanswered: {readiness}"
+        )
+
+
+@pytest.mark.timeout(90)
+async def test_a_database_outage_keeps_healthz_200_turns_readyz_503_and_both_recover(
+    env: Env, crew: Crew
+) -> None:
+    """The same contract for Postgres: one worker reaches it through a proxy; cut it,
+    /healthz stays 200 and the process lives, /readyz turns 503; heal it, /readyz 200."""
+    url = env.settings.database_url
+    async with Proxy(pg_port(url)) as proxy:
+        s = start(crew, "publisher", CUSTODY_DATABASE_URL=pg_proxied_url(url, proxy.port))
+        await wait_ready(crew, [s])
+        proxy.cut()
+
+        async def not_ready_but_alive() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            return await status_of(s, "/readyz") == 503
+
+        try:
+            await poll(not_ready_but_alive, timeout=20, what="/readyz 503", alive=[s.proc])
+        finally:
+            proxy.heal()
+
+        async def ready_again() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            return await status_of(s, "/readyz") == 200
+
+        await poll(ready_again, timeout=30, what="/readyz 200 again", alive=[s.proc])

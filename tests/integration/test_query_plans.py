@@ -1,0 +1,185 @@
+"""EXPLAIN guards on the claim queries: each one reaches its rows through its index, not
+by reading the whole table, and claims them with ``FOR UPDATE ... SKIP LOCKED``.
+
+The claim queries run on every poll of every worker; on a table that grew to millions
+of settled rows, a sequential scan turns each poll into a full read of the table. The
+plans are taken on a database where the planner has a choice: a large table of
+finished rows (the history a deployment accumulates), a small share of live ones, and
+fresh statistics (``ANALYZE``). The statements are the ones the workers run, read by
+name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any, LiteralString
+
+import psycopg
+import pytest
+from psycopg import sql as pg_sql
+
+from tests.conftest import PG_ADMIN
+from workers import provision
+from workers.io import sql
+
+ROWS = 20_000  # settled rows per table; one in a hundred is live
+PARTICIPANT = "inventory"
+# Tables that grow with the traffic: never read in full by a claim.
+GROWING = {"instances", "operations", "attempts", "outbox", "successor_intents", "inbox"}
+
+# name -> (the index the claim must use, parameters, engine or participant schema)
+CLAIMS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "outbox_claim": (
+        "outbox_pending",
+        {"holder": "plan-test", "ttl": 30, "held": False, "limit": 50},
+        "engine",
+    ),
+    "p_outbox_claim": (
+        "outbox_pending",
+        {"holder": "plan-test", "ttl": 30, "limit": 50},
+        "participant",
+    ),
+    "p_exec_claim": (
+        "inbox_open",
+        {"ttl": 30, "token": "00000000-0000-0000-0000-00000000beef", "limit": 50},
+        "participant",
+    ),
+    "successor_claim": ("successor_intents_pending", {"limit": 50}, "engine"),
+    "operations_overdue": ("operations_open", {"limit": 50}, "engine"),
+    "queries_overdue": ("operations_open", {"limit": 50}, "engine"),
+    "retries_due": ("operations_open", {"limit": 50}, "engine"),
+    "unknown_due": ("operations_open", {"base": 5, "limit": 50}, "engine"),
+}
+
+
+def _id(prefix: int) -> LiteralString:
+    """A deterministic uuid per row of generate_series(g): ``<prefix>-...-<g in hex>``."""
+    return f"('{prefix:08x}-0000-0000-0000-' || lpad(to_hex(g), 12, '0'))::uuid"
+
+
+ENGINE_ROWS: list[LiteralString] = [
+    "INSERT INTO custody.instances (id, tenant, start_request_id, process, process_version,"
+    " input, status, requested_by, routes)"
+    f" SELECT {_id(1)}, 'acme', {_id(2)}, 'order-fulfilment', 1, '{{}}',"
+    " (CASE WHEN g % 100 < 5 THEN 'running' ELSE 'completed' END)::custody.instance_status,"
+    f" 'plan-test', '{{}}' FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.operations (id, tenant, instance_id, node, activation, operation,"
+    " route, owner, principal, binding, input, lineage, attempt, digest, status,"
+    " deadline_seconds, deadline_at, retry_at, updated_at)"
+    f" SELECT {_id(3)}, 'acme', {_id(1)}, 'n', 1, 'inventory.reserve', 'r', 'inventory',"
+    " 'custody-inventory', 'b', '{}', '{}', 1, 'digest',"
+    " (CASE g % 100 WHEN 0 THEN 'pending' WHEN 1 THEN 'dispatched' WHEN 2 THEN 'retry_waiting'"
+    "  WHEN 3 THEN 'outcome_unknown' WHEN 4 THEN 'reconcile_pending' ELSE 'succeeded' END)"
+    "::custody.operation_status,"
+    " 60, now() - interval '1 minute', now() - interval '1 minute', now() - interval '1 hour'"
+    f" FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.attempts (request_id, operation_id, attempt, kind, digest)"
+    f" SELECT {_id(4)}, {_id(3)}, 1, 'submit', 'digest' FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, operation_id, status,"
+    " next_attempt_at)"
+    f" SELECT {_id(4)}, 'submit', 'custody.commands', 'inventory', '\\x00', {_id(3)},"
+    " CASE WHEN g % 100 = 0 THEN 'pending' ELSE 'published' END, now() - interval '1 second'"
+    f" FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.successor_intents (instance_id, from_operation_id, outcome, status)"
+    f" SELECT {_id(1)}, {_id(3)}, 'succeeded',"
+    " CASE WHEN g % 100 = 0 THEN 'pending' ELSE 'done' END"
+    f" FROM generate_series(1, {ROWS}) g",
+]
+
+PARTICIPANT_ROWS: list[LiteralString] = [
+    "INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,"
+    " status, effect, owner_revision)"
+    f" SELECT {_id(4)}, 'acme', {_id(3)}, 1, 'inventory.reserve', 'digest', '{{}}',"
+    " CASE WHEN g % 100 = 0 THEN 'accepted' ELSE 'succeeded' END,"
+    " CASE WHEN g % 100 = 0 THEN 'none' ELSE 'applied' END, 1"
+    f" FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO outbox (id, exchange, routing_key, body, operation_id, status, next_attempt_at)"
+    f" SELECT {_id(5)}, 'custody.receipts', 'receipt', '\\x00', {_id(3)},"
+    " CASE WHEN g % 100 = 0 THEN 'pending' ELSE 'published' END, now() - interval '1 second'"
+    f" FROM generate_series(1, {ROWS}) g",
+]
+
+
+def _url(name: str) -> str:
+    return psycopg.conninfo.make_conninfo(PG_ADMIN, dbname=name)
+
+
+def _admin(statement: pg_sql.Composed) -> None:
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+@pytest.fixture(scope="module")
+def databases(templates: tuple[str, str]) -> Iterator[dict[str, tuple[str, str]]]:
+    """An engine and a participant database of their own (clones of the session's
+    templates, no broker needed), filled and analysed: kind -> (url, search_path)."""
+    engine_tpl, part_tpl = templates
+    tag = uuid.uuid4().hex[:10]
+    engine_db, part_db = f"custody_plan_{tag}", f"custody_pplan_{tag}"
+    for name, template in ((engine_db, engine_tpl), (part_db, part_tpl)):
+        _admin(
+            pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                pg_sql.Identifier(name), pg_sql.Identifier(template)
+            )
+        )
+    schema = provision.participant_schema(PARTICIPANT)
+    try:
+        with psycopg.connect(_url(engine_db), autocommit=True) as conn:
+            for statement in ENGINE_ROWS:
+                conn.execute(statement)
+            conn.execute("ANALYZE")
+        with psycopg.connect(_url(part_db), autocommit=True) as conn:
+            conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
+            for statement in PARTICIPANT_ROWS:
+                conn.execute(statement)
+            conn.execute("ANALYZE")
+        yield {"engine": (_url(engine_db), "custody"), "participant": (_url(part_db), schema)}
+    finally:
+        for name in (engine_db, part_db):
+            _admin(
+                pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    pg_sql.Identifier(name)
+                )
+            )
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every node of a plan tree (subplans and init plans included)."""
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def explain(url: str, schema: str, statement: LiteralString, params: dict[str, Any]) -> Any:
+    """The JSON plan of a statement with these parameters (bound client-side, so the plan
+    is the one chosen for those values)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
+        cur = psycopg.ClientCursor(conn)
+        cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+        row = cur.fetchone()
+        assert row is not None
+        return row[0][0]["Plan"]
+
+
+@pytest.mark.parametrize("name", list(CLAIMS))
+def test_a_claim_query_uses_its_index_and_skips_locked_rows(
+    name: str, databases: dict[str, tuple[str, str]]
+) -> None:
+    index, params, kind = CLAIMS[name]
+    url, schema = databases[kind]
+    statement = sql.query(name)
+    plan = explain(url, schema, statement, params)
+    every = list(nodes(plan))
+    shown = f"{name} plan: {plan}"
+    full_reads = sorted(
+        n["Relation Name"]
+        for n in every
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in GROWING
+    )
+    assert not full_reads, f"{name} reads {full_reads} in full; {shown}"
+    used = {n["Index Name"] for n in every if "Index Name" in n}
+    assert index in used, f"{name} does not use index {index} (uses {sorted(used)}); {shown}"
+    assert "SKIP LOCKED" in " ".join(statement.upper().split()), f"{name} does not SKIP LOCKED"
+    assert any(n["Node Type"] == "LockRows" for n in every), f"{name} locks no rows; {shown}"
