@@ -3,7 +3,7 @@
 --
 -- "Operators use controlled recovery commands rather than editing runtime rows
 -- directly." An operator is a Postgres login role of its own, registered in
--- custody.operators (synced from deploy/operators.toml by `custody migrate` or
+-- custody.operators (synced from deploy/operators.toml by `custody db migrate` or
 -- `custody operators apply`) and a member of custody_operators. That group may read
 -- (row-level security limits it to its tenants) and may EXECUTE the operator
 -- functions below; it may not write a single row. Each function is SECURITY DEFINER,

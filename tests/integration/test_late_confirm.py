@@ -1,4 +1,5 @@
-"""A broker confirm dispatches only the attempt whose submit it confirms (workers/runtime/outbox.py).
+"""A broker confirm dispatches only the attempt whose submit it confirms
+(workers/runtime/outbox.py).
 
 The seed: "Workflow separates the intent to execute an operation from transport
 acceptance" and "It does not interpret timeout as permission to create a new
