@@ -17,6 +17,49 @@ class ConfigError(CustodyError):
     """Configuration is missing or invalid: refuse to start, say what and why."""
 
 
+class RouteConfigError(ConfigError, ValueError):
+    """The routes file is missing, unreadable or invalid (one line says which and why)."""
+
+
+class DefinitionError(CustodyError, ValueError):
+    """A process definition is malformed, does not fit the routes, or is not loaded."""
+
+
+class InputError(CustodyError, ValueError):
+    """An input template references data that is not there."""
+
+
+class IllegalTransition(CustodyError, ValueError):
+    """An event is not allowed in the current status (an integrity violation).
+
+    ``status`` and ``event`` are the lifecycle's enum members (``workers.core.lifecycle``
+    raises it for operations and instances alike)."""
+
+    def __init__(self, status: str, event: str) -> None:
+        super().__init__(f"{event} is not allowed from {status}")
+        self.status = status
+        self.event = event
+
+
+class Refused(CustodyError):
+    """A request was refused on purpose, with a closed reason code (``Reason``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class BusinessFailure(CustodyError):
+    """A participant's handler decided the work fails; its effects are rolled back
+    (effect none) and the receipt carries ``code``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
 class Retry(enum.Enum):
     RETRY = "retry"  # transient: redo the whole unit of work
     IN_DOUBT = "in_doubt"  # commit outcome unknown: re-read by identity, then redo
@@ -36,6 +79,16 @@ class Fenced(DatabaseError):
     """The worker's lease epoch is no longer current; its commit was refused."""
 
 
+class RowChanged(DatabaseError):
+    """A row changed under its row lock (an UPDATE guarded by the status it was read
+    with matched fewer rows than were locked): redo the whole unit of work, re-reading
+    everything. The Python twin of SQLSTATE CU004, classified the same (RETRY)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, classify_sqlstate(ROW_CHANGED_SQLSTATE, during_commit=False))
+        self.sqlstate = ROW_CHANGED_SQLSTATE
+
+
 class BrokerError(CustodyError):
     """RabbitMQ refused or lost something; ``kind`` says whether to retry."""
 
@@ -45,6 +98,7 @@ class BrokerError(CustodyError):
 
 
 FENCE_SQLSTATE = "CU001"
+ROW_CHANGED_SQLSTATE = "CU004"
 _RETRYABLE_SQLSTATES = frozenset(
     {
         "40001",  # serialization_failure

@@ -83,7 +83,7 @@ RETRY_ON = frozenset({"transient"})
 OUTCOMES = ("success", "transient", "declined")  # handler: effect, or a business failure
 
 IN_FLIGHT = (Status.PENDING, Status.DISPATCHED, Status.ACCEPTED)
-UNKNOWN = (Status.OUTCOME_UNKNOWN, Status.RECONCILE_PENDING)  # receipts._UNKNOWN
+UNKNOWN = (Status.OUTCOME_UNKNOWN, Status.RECONCILE_PENDING)  # effects.UNKNOWN
 VISIBLE_UNRESOLVED = (Status.CANCELLING, Status.OUTCOME_UNKNOWN)
 
 Command = SubmitCommand | QueryCommand | CancelCommand
@@ -379,7 +379,7 @@ class EngineModel:
         answer: QueryAnswer | None = None
         if isinstance(message, QueryAnswer):
             query = self.issued.get(message.in_reply_to)
-            # an honest answer passes receipts._answer_refusal
+            # an honest answer passes validation.refuse_answer
             assert user_id == message.principal and query is not None and query.kind == "query"
             answer = message
             if message.receipt is None:

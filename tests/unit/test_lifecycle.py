@@ -346,12 +346,41 @@ def test_only_an_authoritative_effect_none_can_plan_a_retry(
 
 
 def test_docs_lifecycle_diagram_is_the_current_table() -> None:
-    """docs/lifecycle.md is generated from TRANSITIONS so it cannot drift. Regenerate
-    the block with: .venv/bin/python -c 'from workers import lifecycle;
-    print(lifecycle.mermaid(), end="")'"""
+    """docs/lifecycle.md is generated from TRANSITIONS (and, second, INSTANCE_TABLE) so
+    it cannot drift. Regenerate both blocks with: .venv/bin/python scripts/gen_docs.py"""
     text = (ROOT / "docs" / "lifecycle.md").read_text()
     blocks = re.findall(r"```mermaid\n(.*?)```", text, re.S)
-    assert blocks == [lifecycle.mermaid()], "docs/lifecycle.md is stale: regenerate its diagram"
+    assert blocks[0] == lifecycle.mermaid(), "docs/lifecycle.md is stale: regenerate its diagram"
+    assert blocks == [lifecycle.mermaid(), lifecycle.instance_mermaid()], (
+        "docs/lifecycle.md is stale: regenerate its diagrams"
+    )
+
+
+def test_the_instance_table_is_the_instance_transitions_and_next_instance_status() -> None:
+    """One table: INSTANCE_TRANSITIONS is its pairs, next_instance_status reads it, and
+    any other (status, event) is an IllegalTransition; a terminal instance is never left."""
+    from workers.core.lifecycle import (
+        INSTANCE_TABLE,
+        INSTANCE_TERMINAL,
+        INSTANCE_TRANSITIONS,
+        InstanceEvent,
+        next_instance_status,
+    )
+
+    assert {(s, t) for (s, _), t in INSTANCE_TABLE.items()} == INSTANCE_TRANSITIONS
+    for status in InstanceStatus:
+        for event in InstanceEvent:
+            if (status, event) in INSTANCE_TABLE:
+                assert next_instance_status(status, event) is INSTANCE_TABLE[(status, event)]
+                assert lifecycle.instance_target(event) is INSTANCE_TABLE[(status, event)]
+            else:
+                with pytest.raises(IllegalTransition):
+                    next_instance_status(status, event)
+            if status in INSTANCE_TERMINAL:
+                assert not lifecycle.instance_allows(status, event)
+    diagram = lifecycle.instance_mermaid()
+    for (source, event), target in INSTANCE_TABLE.items():
+        assert f"    {source.value} --> {target.value}: {event.value}\n" in diagram
 
 
 def test_the_diagram_shows_every_status_changing_transition() -> None:

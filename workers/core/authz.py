@@ -1,7 +1,7 @@
 """Operator authorization (``deploy/operators.toml``): who may do what, per tenant.
 
 Parsed and checked here (pure); enforced in the database, which holds a copy
-(``custody.operators``, synced by ``custody migrate`` / ``custody operators apply``):
+(``custody.operators``, synced by ``custody db migrate`` / ``custody operators apply``):
 ``custody.refusal`` in ``transitions.sql`` decides every command, and row-level
 security limits what each operator's login reads to its tenants."""
 

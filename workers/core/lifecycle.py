@@ -1,14 +1,17 @@
 """The operation lifecycle: a transition table as data and one function over it.
 
-Pure: no I/O. Every transition the engine writes goes through :func:`next_status`;
-the database guards the same transitions with the expected current status in each
-UPDATE's WHERE clause. ``docs/lifecycle.md`` is generated from :data:`TRANSITIONS`.
+Pure: no I/O. Every transition the engine writes goes through :func:`next_status`
+(operations) or :func:`next_instance_status` (instances); the database guards the same
+transitions with the expected current status in each UPDATE's WHERE clause.
+``docs/lifecycle.md`` is generated from :data:`TRANSITIONS` and :data:`INSTANCE_TABLE`.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Final
+
+from workers.errors import IllegalTransition as IllegalTransition  # under the custody root
 
 
 class Status(enum.StrEnum):
@@ -123,20 +126,56 @@ TRANSITIONS: Final[dict[tuple[Status, Event], Status | Ignore]] = {
 }
 
 
-IS = InstanceStatus
+class InstanceEvent(enum.StrEnum):
+    SUSPEND = "suspend"  # an outcome unknown, or its pinned version not loaded
+    RESUME = "resume"  # resolved, or the version is loaded again
+    CANCEL = "cancel"  # an operator's cancel, or the owner cancelled an operation
+    SETTLE = "settle"  # a cancelling instance's every operation has authoritative evidence
+    COMPLETE = "complete"  # the process reached @completed
+    FAIL = "fail"  # the process reached @failed, or an activation cannot be built
+
+
+IS, IE = InstanceStatus, InstanceEvent
 # The instance lifecycle, as data like the operation's. Every instance status change the
-# engine writes is one of these; the database refuses any other (schema.sql's trigger).
+# engine writes goes through :func:`next_instance_status` over this table; the database
+# refuses any other change (schema.sql's trigger, over :data:`INSTANCE_TRANSITIONS`).
+INSTANCE_TABLE: Final[dict[tuple[InstanceStatus, InstanceEvent], InstanceStatus]] = {
+    (IS.RUNNING, IE.SUSPEND): IS.SUSPENDED,
+    (IS.SUSPENDED, IE.RESUME): IS.RUNNING,
+    (IS.RUNNING, IE.CANCEL): IS.CANCELLING,
+    (IS.SUSPENDED, IE.CANCEL): IS.CANCELLING,
+    (IS.CANCELLING, IE.SETTLE): IS.CANCELLED,
+    (IS.RUNNING, IE.COMPLETE): IS.COMPLETED,
+    (IS.RUNNING, IE.FAIL): IS.FAILED,
+}
+INSTANCE_TERMINAL: Final = frozenset({IS.CANCELLED, IS.COMPLETED, IS.FAILED})
 INSTANCE_TRANSITIONS: Final[frozenset[tuple[InstanceStatus, InstanceStatus]]] = frozenset(
-    {
-        (IS.RUNNING, IS.SUSPENDED),  # an outcome unknown, or its pinned version not loaded
-        (IS.SUSPENDED, IS.RUNNING),  # resolved, or the version is loaded again
-        (IS.RUNNING, IS.CANCELLING),
-        (IS.SUSPENDED, IS.CANCELLING),
-        (IS.CANCELLING, IS.CANCELLED),  # once every operation has authoritative evidence
-        (IS.RUNNING, IS.COMPLETED),
-        (IS.RUNNING, IS.FAILED),
-    }
+    (source, target) for (source, _), target in INSTANCE_TABLE.items()
 )
+
+
+def next_instance_status(status: InstanceStatus | str, event: InstanceEvent) -> InstanceStatus:
+    """The instance status after ``event``, or :class:`IllegalTransition`."""
+    try:
+        return INSTANCE_TABLE[(InstanceStatus(status), event)]
+    except (KeyError, ValueError):
+        raise IllegalTransition(status, event) from None
+
+
+def instance_allows(status: InstanceStatus | str, event: InstanceEvent) -> bool:
+    """Whether ``event`` changes an instance in ``status`` (the same table)."""
+    try:
+        next_instance_status(status, event)
+    except IllegalTransition:
+        return False
+    return True
+
+
+def instance_target(event: InstanceEvent) -> InstanceStatus:
+    """The one status ``event`` leads to, from whichever status allows it (what a
+    guarded UPDATE sets when the current status is only known to the database)."""
+    (target,) = {t for (_, e), t in INSTANCE_TABLE.items() if e is event}
+    return target
 
 
 def status_changes() -> frozenset[tuple[Status, Status]]:
@@ -147,15 +186,6 @@ def status_changes() -> frozenset[tuple[Status, Status]]:
         for (source, _), target in TRANSITIONS.items()
         if isinstance(target, Status) and target is not source
     )
-
-
-class IllegalTransition(ValueError):
-    """The event is not allowed in the current status (an integrity violation)."""
-
-    def __init__(self, status: Status, event: Event) -> None:
-        super().__init__(f"{event.value} is not allowed from {status.value}")
-        self.status = status
-        self.event = event
 
 
 def next_status(status: Status, event: Event) -> Status | Ignore:
@@ -207,4 +237,13 @@ def mermaid() -> str:
             continue
         lines.append(f"    {source.value} --> {target.value}: {event.value}")
     lines.extend(f"    {s.value} --> [*]" for s in sorted(TERMINAL))
+    return "\n".join(lines) + "\n"
+
+
+def instance_mermaid() -> str:
+    """The instance state diagram, generated from :data:`INSTANCE_TABLE`."""
+    lines = ["stateDiagram-v2", "    [*] --> running"]
+    for (source, event), target in INSTANCE_TABLE.items():
+        lines.append(f"    {source.value} --> {target.value}: {event.value}")
+    lines.extend(f"    {s.value} --> [*]" for s in sorted(INSTANCE_TERMINAL))
     return "\n".join(lines) + "\n"

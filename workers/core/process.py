@@ -26,6 +26,8 @@ from contracts import digest
 from contracts.models import Attempt, Name
 from workers.core import routes
 from workers.core.routes import Routes
+from workers.errors import DefinitionError as DefinitionError  # under the custody root
+from workers.errors import InputError as InputError
 from workers.settings import Settings
 
 END_COMPLETED: Final = "@completed"
@@ -42,14 +44,6 @@ _MAX_VERSION: Final = 2**31 - 1  # instances.process_version is an integer colum
 _NODE_KEYS: Final = frozenset(
     {"route", "operation", "input", "on_succeeded", "on_failed", "deadline_seconds", "retry"}
 )
-
-
-class DefinitionError(ValueError):
-    """A process definition is malformed or does not fit the routes."""
-
-
-class InputError(ValueError):
-    """An input template references data that is not there."""
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from contracts.models import ExecutorRoute
-
-
-class RouteConfigError(ValueError):
-    """The routes file is missing, malformed or inconsistent."""
+from workers.errors import RouteConfigError as RouteConfigError  # under the custody root
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,19 @@ def parse(data: Mapping[str, object]) -> Routes:
 
 
 def load(path: Path) -> Routes:
+    """The routes file, or one :class:`RouteConfigError` (a ``ConfigError``: the CLI
+    prints its one line and exits 2) naming the file and what is wrong with it."""
     try:
-        return parse(tomllib.loads(path.read_text()))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise RouteConfigError(f"{path}: {exc}") from None
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RouteConfigError(
+            f"routes file {path} does not exist (set CUSTODY_ROUTES_FILE)"
+        ) from None
+    except OSError as exc:
+        raise RouteConfigError(f"routes file {path} cannot be read: {exc.strerror}") from None
+    try:
+        return parse(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        raise RouteConfigError(f"routes file {path} is not valid TOML: {exc}") from None
+    except RouteConfigError as exc:
+        raise RouteConfigError(f"routes file {path}: {exc}") from None

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import pydantic
 
-from contracts import codec, digest, identity
-from contracts.models import CancelRequest, ExecutorRoute, Lineage, StartRequest
-from workers.core import commands, process, routes, tracing
+from contracts import codec, identity
+from contracts.models import CancelRequest, ExecutorRoute, StartRequest
+from workers.core import activation, lifecycle, process, records, routes, tracing
+from workers.core.reasons import Reason
 from workers.engine import context, transitions
 from workers.io import broker, db
 from workers.runtime import consume, faults, logs, metrics, probes, supervisor
@@ -27,116 +26,16 @@ from workers.settings import Settings
 
 ACTOR = "committer"
 AckPolicy = "ack after commit; malformed starts are quarantined and acked"
-DEFINITION_MISSING = "definition_missing"  # instances.suspended_reason
-# What building one activation can raise for one instance's data or definition: that
-# instance fails (or its start is quarantined) with the reason; the worker goes on.
-ACTIVATION_ERRORS = (
-    process.InputError,
-    digest.CanonicalFormError,
-    KeyError,
-    pydantic.ValidationError,
-)
+DEFINITION_MISSING = Reason.DEFINITION_MISSING.value  # instances.suspended_reason
+IE, IS = lifecycle.InstanceEvent, lifecycle.InstanceStatus
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The rows of one new node activation, decided without I/O."""
-
-    node: dict[str, Any]
-    operation: dict[str, Any]
-    attempt: dict[str, Any]
-    outbox: dict[str, Any]
-    history: dict[str, Any]
-
-
-def plan_activation(
-    *,
-    tenant: str,
-    instance_id: str,
-    definition: process.Definition,
-    node_name: str,
-    activation: int,
-    instance_input: Mapping[str, Any],
-    results: Mapping[str, Any],
-    pinned: Mapping[str, ExecutorRoute],
-    traceparent: str | None,
-) -> Plan:
-    """Everything one activation writes, on the route the instance pinned at start."""
-    node = definition.node(node_name)
-    route = pinned[node.route]
-    op_id = identity.operation_id(tenant, instance_id, node_name, activation)
-    op_input = process.render_input(node.input, instance_input, results)
-    lineage = Lineage(
-        instance_id=instance_id,
-        process=definition.name,
-        process_version=definition.version,
-        node=node_name,
-        activation=activation,
-    ).model_dump(mode="json")
-    command = commands.submit(
-        commands.Pinned(
-            operation_id=op_id,
-            tenant=tenant,
-            attempt=1,
-            operation=node.operation,
-            route=route.name,
-            owner=route.owner,
-            binding=route.binding,
-            input=op_input,
-            lineage=lineage,
-        ),
-        traceparent=traceparent,
-    )
-    return Plan(
-        node={
-            "instance_id": instance_id,
-            "node": node_name,
-            "activation": activation,
-            "operation_id": op_id,
-        },
-        operation={
-            "id": op_id,
-            "tenant": tenant,
-            "instance_id": instance_id,
-            "node": node_name,
-            "activation": activation,
-            "operation": node.operation,
-            "route": route.name,
-            "owner": route.owner,
-            "principal": route.principal,
-            "binding": route.binding,
-            "input": db.jsonb(op_input),
-            "lineage": db.jsonb(lineage),
-            "attempt": 1,
-            "digest": command.digest,
-            "deadline_seconds": node.deadline_seconds,
-        },
-        attempt=command.attempt_row,
-        outbox=command.outbox_row,
-        history={
-            "instance_id": instance_id,
-            "operation_id": op_id,
-            "event": "node.activated",
-            "detail": db.jsonb(
-                {
-                    "node": node_name,
-                    "activation": activation,
-                    "operation": node.operation,
-                    "route": route.name,
-                    "binding": route.binding,
-                }
-            ),
-            "actor": ACTOR,
-        },
-    )
-
-
-async def _write_plans(tx: db.Tx, plans: Sequence[Plan]) -> None:
+async def _write_plans(tx: db.Tx, plans: Sequence[activation.Plan]) -> None:
     await tx.run_many("node_insert", [p.node for p in plans])
-    await tx.run_many("operation_insert", [p.operation for p in plans])
+    await tx.run_many("operation_insert", [p.operation.params(db.jsonb) for p in plans])
     await tx.run_many("attempt_insert", [p.attempt for p in plans])
     await tx.run_many("outbox_insert", [p.outbox for p in plans])
-    await tx.run_many("history_insert", [p.history for p in plans])
+    await tx.run_many("history_insert", [p.history.params(db.jsonb) for p in plans])
 
 
 class Committer:
@@ -160,12 +59,14 @@ class Committer:
         transaction, each cancel through the operator path (authorized as the
         delivery's broker-validated user, audited)."""
         run: list[tuple[broker.Delivery, StartRequest]] = []
-        quarantine: list[dict[str, Any]] = []
+        quarantine: list[records.Quarantine] = []
         for d in deliveries:
             try:
-                message = codec.decode_request(d.payload(), self.settings.max_message_bytes)
+                message: StartRequest | CancelRequest = codec.decode_request(
+                    d.payload(), self.settings.max_message_bytes
+                )
             except codec.DecodeError as exc:
-                quarantine.append(_quarantine_row(d, exc.reason, exc.detail))
+                quarantine.append(_quarantine_row(d, Reason(exc.reason), exc.detail))
                 continue
             if isinstance(message, StartRequest):
                 run.append((d, message))
@@ -194,7 +95,7 @@ class Committer:
     async def commit_starts(
         self,
         valid: Sequence[tuple[broker.Delivery, StartRequest]],
-        quarantine: list[dict[str, Any]],
+        quarantine: list[records.Quarantine],
     ) -> None:
         """One transaction for a run of start requests; the caller acks after it."""
         if not valid and not quarantine:
@@ -225,53 +126,35 @@ class Committer:
             valid = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) not in tombstoned]
             ids = [identity.instance_id(s.tenant, s.start_request_id) for _, s in valid]
             existing = {r["id"]: r for r in await tx.rows("instances_get", {"ids": ids})}
-            instances, plans, seen = [], [], set()
+            instances: list[dict[str, Any]] = []
+            plans: list[activation.Plan] = []
+            seen: set[str] = set()
             for (d, start), iid in zip(valid, ids, strict=True):
                 old = existing.get(iid)
                 if old is not None or iid in seen:
-                    if old is not None and old["input"] != start.input:
+                    conflict = activation.start_conflict(old["input"], start) if old else None
+                    if conflict is not None:
                         quarantine.append(
-                            _quarantine_row(
-                                d,
-                                "start_conflict",
-                                "same start request id with different input",
-                                tenant=start.tenant,
-                            )
+                            _quarantine_row(d, conflict.reason, conflict.detail, start.tenant)
                         )
                     continue
-                try:
-                    definition = self.catalog.latest(start.process)
-                except process.DefinitionError as exc:
+                traceparent = tracing.from_headers(d.headers)
+                decided = activation.plan_start(
+                    start,
+                    instance_id=iid,
+                    catalog=self.catalog,
+                    table=self.routes,
+                    traceparent=traceparent,
+                    actor=ACTOR,
+                )
+                if isinstance(decided, activation.StartRefused):
+                    if decided.reason is Reason.ACTIVATION_FAILED:
+                        metrics.ACTIVATION_FAILURES.labels(decided.reason).inc()
                     quarantine.append(
-                        _quarantine_row(d, "unknown_process", str(exc), tenant=start.tenant)
+                        _quarantine_row(d, decided.reason, decided.detail, start.tenant)
                     )
                     continue
-                pinned = pin_routes(definition, self.routes)
-                try:
-                    traceparent = tracing.from_headers(d.headers)
-                    plan = plan_activation(
-                        tenant=start.tenant,
-                        instance_id=iid,
-                        definition=definition,
-                        node_name=definition.start,
-                        activation=1,
-                        instance_input=start.input,
-                        results={},
-                        pinned=pinned,
-                        traceparent=traceparent,
-                    )
-                except (process.InputError, digest.CanonicalFormError) as exc:
-                    quarantine.append(
-                        _quarantine_row(d, "bad_start_input", str(exc), tenant=start.tenant)
-                    )
-                    continue
-                except ACTIVATION_ERRORS as exc:
-                    # the definition cannot be activated for this start: kept, with why
-                    metrics.ACTIVATION_FAILURES.labels("activation_failed").inc()
-                    quarantine.append(
-                        _quarantine_row(d, "activation_failed", str(exc), tenant=start.tenant)
-                    )
-                    continue
+                definition, pinned = decided.definition, decided.pinned
                 seen.add(iid)
                 instances.append(
                     {
@@ -288,7 +171,7 @@ class Committer:
                         ).decode(),
                     }
                 )
-                plans.append(plan)
+                plans.append(decided.plan)
             inserted = set()
             if instances:
                 columns = (
@@ -309,28 +192,20 @@ class Committer:
                     )
                 }
             instances = [i for i in instances if i["id"] in inserted]
-            plans = [p for p in plans if p.node["instance_id"] in inserted]
-            await tx.run_many(
-                "history_insert",
-                [
-                    {
-                        "instance_id": i["id"],
-                        "operation_id": None,
-                        "event": "instance.started",
-                        "detail": db.jsonb(
-                            {"process": i["process"], "version": i["process_version"]}
-                        ),
-                        "actor": ACTOR,
-                    }
-                    for i in instances
-                ],
-            )
+            plans = [p for p in plans if p.instance_id in inserted]
+            started = [
+                _history(
+                    i["id"], "instance.started", process=i["process"], version=i["process_version"]
+                )
+                for i in instances
+            ]
+            await tx.run_many("history_insert", [h.params(db.jsonb) for h in started])
             await _write_plans(tx, plans)
-            await tx.run_many("quarantine_insert", quarantine)
+            await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             faults.crash_point("before_commit")
         metrics.TRANSITIONS.labels("start").inc(len(plans))
-        for row in quarantine:
-            metrics.quarantined(row["source"], row["reason"])
+        for q in quarantine:
+            metrics.quarantined(q.source, q.reason)
 
     async def commit_successors(self) -> int:
         """Claim a batch of successor intents and commit their transitions.
@@ -352,8 +227,8 @@ class Committer:
                 (r["instance_id"], r["node"]): r["activation"]
                 for r in await tx.rows("node_activations", {"ids": ids})
             }
-            plans: list[Plan] = []
-            history: list[dict[str, Any]] = []
+            plans: list[activation.Plan] = []
+            history: list[records.History] = []
             done: list[Any] = []
             for intent in intents:
                 iid = intent["instance_id"]
@@ -365,45 +240,45 @@ class Committer:
                     await self._definition_missing(tx, intent, str(exc), history)
                     continue  # the intent stays pending, tried again later
                 done.append(intent["id"])
-                if status == "suspended":  # only a definition_missing one is claimed
+                if status == IS.SUSPENDED:  # only a definition_missing one is claimed
+                    status = lifecycle.next_instance_status(status, IE.RESUME)
                     await tx.run("instance_resume_from", {"id": iid, "reason": DEFINITION_MISSING})
-                    history.append(
-                        _history(iid, "instance.resumed", {"cause": "definition loaded"})
-                    )
-                    status = "running"
-                if status != "running" and not faults.broken("skip_instance_recheck"):
-                    history.append(
-                        _history(iid, "successor.suppressed", {"instance_status": status})
-                    )
+                    history.append(_history(iid, "instance.resumed", cause="definition loaded"))
+                if status != IS.RUNNING and not faults.broken("skip_instance_recheck"):
+                    history.append(_history(iid, "successor.suppressed", instance_status=status))
                     continue
                 if nxt in (process.END_COMPLETED, process.END_FAILED):
-                    end = "completed" if nxt == process.END_COMPLETED else "failed"
-                    if await tx.run("instance_finish", {"id": iid, "status": end}):
-                        history.append(_history(iid, f"instance.{end}", {}))
+                    # what the guarded UPDATE (WHERE status = 'running') sets
+                    end = lifecycle.instance_target(
+                        IE.COMPLETE if nxt == process.END_COMPLETED else IE.FAIL
+                    )
+                    if await tx.run("instance_finish", {"id": iid, "status": end.value}):
+                        history.append(_history(iid, f"instance.{end.value}"))
                     continue
                 pinned = {
                     k: ExecutorRoute.model_validate(v, strict=False)
                     for k, v in intent["routes"].items()
                 }
                 self._warn_drift(iid, pinned)
-                activation = activations.get((iid, nxt), 0) + 1
-                activations[(iid, nxt)] = activation
+                number = activations.get((iid, nxt), 0) + 1
+                activations[(iid, nxt)] = number
                 try:
                     plans.append(
-                        plan_activation(
+                        activation.plan_activation(
                             tenant=intent["tenant"],
                             instance_id=str(iid),
                             definition=definition,
                             node_name=nxt,
-                            activation=activation,
+                            activation=number,
                             instance_input=intent["input"],
                             results=results.get(iid, {}),
                             pinned=pinned,
                             traceparent=intent["traceparent"],
+                            actor=ACTOR,
                         )
                     )
-                except ACTIVATION_ERRORS as exc:
-                    metrics.ACTIVATION_FAILURES.labels("activation_failed").inc()
+                except activation.ACTIVATION_ERRORS as exc:
+                    metrics.ACTIVATION_FAILURES.labels(Reason.ACTIVATION_FAILED).inc()
                     logs.event(
                         "instance.activation_failed",
                         logging.ERROR,
@@ -411,22 +286,25 @@ class Committer:
                         node=nxt,
                         error=str(exc)[:300],
                     )
-                    if await tx.run("instance_finish", {"id": iid, "status": "failed"}):
+                    failed = lifecycle.instance_target(IE.FAIL)
+                    if await tx.run("instance_finish", {"id": iid, "status": failed.value}):
                         history.append(
                             _history(
                                 iid,
-                                "instance.failed",
-                                {"reason": "activation_failed", "node": nxt, "error": str(exc)},
+                                f"instance.{failed.value}",
+                                reason=Reason.ACTIVATION_FAILED,
+                                node=nxt,
+                                error=str(exc),
                             )
                         )
             await _write_plans(tx, plans)
-            await tx.run_many("history_insert", history)
+            await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
             await tx.run("successor_done", {"ids": done})
         metrics.TRANSITIONS.labels("successor").inc(len(done))
         return len(intents)
 
     async def _definition_missing(
-        self, tx: db.Tx, intent: dict[str, Any], error: str, history: list[dict[str, Any]]
+        self, tx: db.Tx, intent: dict[str, Any], error: str, history: list[records.History]
     ) -> None:
         """The instance's pinned process version is not loaded: an alert and a
         suspended instance (never a redirect to another version, never a crash). The
@@ -448,12 +326,10 @@ class Committer:
             history.append(
                 _history(
                     iid,
-                    "instance.suspended",
-                    {
-                        "reason": DEFINITION_MISSING,
-                        "process": intent["process"],
-                        "version": intent["process_version"],
-                    },
+                    f"instance.{lifecycle.instance_target(IE.SUSPEND).value}",
+                    reason=DEFINITION_MISSING,
+                    process=intent["process"],
+                    version=intent["process_version"],
                 )
             )
 
@@ -474,36 +350,21 @@ class Committer:
                 )
 
 
-def pin_routes(definition: process.Definition, table: routes.Routes) -> dict[str, ExecutorRoute]:
-    """The routes an instance of ``definition`` will use, as configured right now."""
-    return {n.route: table.get(n.route) for n in definition.nodes.values()}
-
-
-def _history(instance_id: Any, event: str, detail: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "instance_id": instance_id,
-        "operation_id": None,
-        "event": event,
-        "detail": db.jsonb(detail),
-        "actor": ACTOR,
-    }
+def _history(instance_id: Any, event: str, **detail: Any) -> records.History:
+    return records.History(instance_id=instance_id, event=event, actor=ACTOR, detail=detail)
 
 
 def _quarantine_row(
-    d: broker.Delivery, reason: str, detail: str, tenant: str | None = None
-) -> dict[str, Any]:
-    return {
-        "source": broker.QUEUE_REQUESTS,
-        "reason": reason,
-        "detail": detail[:2000],
-        "message_id": d.message_id,
-        "user_id": d.user_id,
-        "tenant": tenant,
-        "operation_id": None,
-        "body": d.body,
-        "headers": db.jsonb(broker.safe_headers(d.headers)),
-        "worker": ACTOR,
-    }
+    d: broker.Delivery, reason: Reason, detail: str, tenant: str | None = None
+) -> records.Quarantine:
+    return context.quarantine(
+        d,
+        source=broker.QUEUE_REQUESTS,
+        worker=ACTOR,
+        reason=reason,
+        detail=detail,
+        tenant=tenant,
+    )
 
 
 async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from workers import errors
-from workers.core import horizon, process, routes
+from workers.core import horizon, process, records, routes
+from workers.core.reasons import Reason
 from workers.io import broker
 from workers.io import db as dbm
 from workers.runtime import logs, metrics, probes
@@ -84,3 +85,29 @@ async def running(settings: Settings, worker: str, health: probes.Health) -> Asy
             await database.release(lease)
         await amqp.close()
         await database.close()
+
+
+def quarantine(
+    d: broker.Delivery,
+    *,
+    source: str,
+    worker: str,
+    reason: Reason,
+    detail: str,
+    tenant: str | None = None,
+    operation_id: str | None = None,
+) -> records.Quarantine:
+    """The one constructor of an engine quarantine row for a delivery: its raw body,
+    its bounded headers, the broker-validated user id, and the closed reason."""
+    return records.Quarantine(
+        source=source,
+        worker=worker,
+        reason=reason,
+        detail=detail,
+        message_id=d.message_id,
+        user_id=d.user_id,
+        body=d.body,
+        headers=broker.safe_headers(d.headers),
+        tenant=tenant,
+        operation_id=operation_id,
+    )

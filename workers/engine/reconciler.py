@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.core import lifecycle
+from workers import errors
+from workers.core import lifecycle, records
 from workers.engine import context, retention, transitions
 from workers.io import db
 from workers.runtime import faults, logs, metrics, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "reconciler"
+IE = lifecycle.InstanceEvent
 CLEANUP_EVERY_S = 60.0
 
 
@@ -45,16 +47,16 @@ class Reconciler:
                     )
                     != 1
                 ):
-                    raise RuntimeError("an overdue operation changed under its row lock")
+                    raise errors.RowChanged("an overdue operation changed under its row lock")
                 await tx.run(
                     "history_insert",
-                    {
-                        "instance_id": row["instance_id"],
-                        "operation_id": row["id"],
-                        "event": f"operation.{target.value}",
-                        "detail": db.jsonb({"from": row["status"], "cause": "query unanswered"}),
-                        "actor": ACTOR,
-                    },
+                    records.History(
+                        instance_id=row["instance_id"],
+                        operation_id=row["id"],
+                        event=f"operation.{target.value}",
+                        detail={"from": row["status"], "cause": "query unanswered"},
+                        actor=ACTOR,
+                    ).params(db.jsonb),
                 )
         return len(rows)
 
@@ -92,26 +94,27 @@ class Reconciler:
             if rows:
                 await faults.point("deadlines_claimed")
             updates: list[dict[str, Any]] = []
-            history: list[dict[str, Any]] = []
+            history: list[records.History] = []
             for row in rows:
                 status = lifecycle.Status(row["status"])
                 target = lifecycle.next_status(status, lifecycle.Event.DEADLINE)
                 assert isinstance(target, lifecycle.Status)
                 updates.append({"id": row["id"], "expected": status.value, "status": target.value})
                 history.append(
-                    {
-                        "instance_id": row["instance_id"],
-                        "operation_id": row["id"],
-                        "event": f"operation.{target.value}",
-                        "detail": db.jsonb({"from": status.value, "cause": "deadline"}),
-                        "actor": ACTOR,
-                    }
+                    records.History(
+                        instance_id=row["instance_id"],
+                        operation_id=row["id"],
+                        event=f"operation.{target.value}",
+                        detail={"from": status.value, "cause": "deadline"},
+                        actor=ACTOR,
+                    )
                 )
             changed = await tx.run_many("operation_set_status", updates)
             if changed != len(updates):
-                raise RuntimeError("an overdue operation changed under its row lock")
-            await tx.run_many("instance_suspend", [{"id": r["instance_id"]} for r in rows])
-            await tx.run_many("history_insert", history)
+                raise errors.RowChanged("an overdue operation changed under its row lock")
+            suspend = [records.InstanceChange(r["instance_id"], IE.SUSPEND) for r in rows]
+            await tx.run_many(records.INSTANCE_QUERIES[IE.SUSPEND], [c.params() for c in suspend])
+            await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
         metrics.TRANSITIONS.labels("deadline").inc(len(rows))
         return len(rows)
 

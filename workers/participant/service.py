@@ -37,27 +37,19 @@ from contracts.models import (
     SubmitCommand,
 )
 from workers import errors
-from workers.core import tracing
-from workers.errors import backoff_seconds
+from workers.core import acceptance, records, tracing
+from workers.core.reasons import Reason
+from workers.errors import BusinessFailure as BusinessFailure  # under the custody root
 from workers.io import broker, db
 from workers.participant import retention
 from workers.runtime import consume, faults, logs, metrics, outbox, probes, supervisor
 from workers.settings import Settings
 
 AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
-MAX_EXECUTIONS = 5
+MAX_EXECUTIONS = acceptance.MAX_EXECUTIONS
 CANCEL_LOCK_TRIES = 3  # a cancel finding its row locked by a short transaction
 CANCEL_LOCK_RETRY_S = 0.02
 CLEANUP_EVERY_S = 60.0
-
-
-class BusinessFailure(Exception):
-    """The handler decided the work fails; its effects are rolled back (effect none)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -153,24 +145,25 @@ class Participant:
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
-        decisions: list[str] = []
+        decisions: list[acceptance.Verdict] = []
         receipts: list[OperationReceipt] = []
-        refused: list[dict[str, Any]] = []
-        conflicts: list[dict[str, Any]] = []
+        refused: list[records.Refusal] = []
+        conflicts: list[records.Conflict] = []
         fresh: list[tuple[SubmitCommand, str, str]] = []  # (command, status, error code)
         reemit: list[str] = []
         queries: list[QueryCommand] = []
         conflict_answers: list[OperationReceipt] = []  # not journaled: not about our work
         cancels: list[tuple[broker.Delivery, CancelCommand]] = []
         async with self.db.transaction() as tx:
-            commands: list[tuple[broker.Delivery, Any]] = []
+            commands: list[tuple[broker.Delivery, acceptance.Command | None]] = []
             for d in deliveries:
                 try:
-                    commands.append(
-                        (d, codec.decode_command(d.payload(), self.settings.max_message_bytes))
+                    command: acceptance.Command = codec.decode_command(
+                        d.payload(), self.settings.max_message_bytes
                     )
+                    commands.append((d, command))
                 except codec.DecodeError as exc:
-                    refused.append(_refused(d, exc.reason, exc.detail))
+                    refused.append(_refused(d, Reason(exc.reason), exc.detail))
                     commands.append((d, None))
             trace = {c.request_id: tracing.from_headers(d.headers) for d, c in commands if c}
             checked = [(d, c, None if c is None else self._refusal(c)) for d, c in commands]
@@ -198,55 +191,52 @@ class Participant:
                 raise errors.DatabaseError(
                     f"inbox rows {missing} neither inserted nor found", errors.Retry.RETRY
                 )
+            held = {
+                i: acceptance.Stored(r["digest"], int(r["owner_revision"]))
+                for i, r in stored.items()
+            }
             for d, c, why in checked:
                 if c is None:
-                    decisions.append("refused")
+                    decisions.append(acceptance.Verdict.REFUSED)
                     continue
-                if why is not None:
-                    refused.append(_refused(d, why[0], why[1]))
-                    decisions.append("refused")
-                    continue
-                if isinstance(c, QueryCommand):
+                k = acceptance.classify(
+                    c,
+                    refused=why,
+                    tombstoned=tombstoned,
+                    inserted=inserted,
+                    offered=offered,
+                    stored=held,
+                    handled=self.handlers,
+                )
+                decisions.append(k.verdict)
+                if k.refusal is not None:
+                    refused.append(_refused(d, k.refusal.reason, k.refusal.detail))
+                if k.verdict is acceptance.Verdict.QUERY:
+                    assert isinstance(c, QueryCommand)
                     queries.append(c)
-                    decisions.append("query")
-                    continue
-                if isinstance(c, CancelCommand):
+                elif k.verdict is acceptance.Verdict.CANCEL:
+                    assert isinstance(c, CancelCommand)
                     cancels.append((d, c))
-                    decisions.append("cancel")
-                    continue
-                if c.request_id in tombstoned:
-                    # cancelled before acceptance: refused, answered with the cancellation
-                    refused.append(_refused(d, "tombstoned", "cancelled before acceptance"))
+                elif k.verdict is acceptance.Verdict.TOMBSTONED:
                     reemit.append(c.request_id)
-                    decisions.append("tombstoned")
-                    continue
-                if c.request_id in inserted and offered[c.request_id] is c:
-                    status, code = _acceptance(c, self.handlers)
-                    fresh.append((c, status, code))
-                    decisions.append(status)
-                    continue
-                known = stored.get(c.request_id)
-                # an identity this batch inserted is compared with what it inserted
-                known_digest = known["digest"] if known else offered[c.request_id].digest
-                if known_digest == c.digest:
+                elif k.verdict in (acceptance.Verdict.ACCEPTED, acceptance.Verdict.REJECTED):
+                    assert isinstance(c, SubmitCommand)
+                    fresh.append((c, k.verdict.value, k.error_code))
+                elif k.verdict is acceptance.Verdict.DUPLICATE:
                     reemit.append(c.request_id)
-                    decisions.append("duplicate")
-                else:
+                elif k.verdict is acceptance.Verdict.CONFLICT:
+                    assert isinstance(c, SubmitCommand)
                     conflicts.append(
-                        {
-                            "request_id": c.request_id,
-                            "stored_digest": known_digest,
-                            "received_digest": c.digest,
-                            "command": db.jsonb(c.model_dump(mode="json")),
-                        }
+                        records.Conflict(
+                            c.request_id, k.stored_digest, c.digest, c.model_dump(mode="json")
+                        )
                     )
-                    revision = int(known["owner_revision"]) if known else 1
                     answer = _receipt(
                         _cmd(c),
                         self.me,
                         status="rejected",
                         effect="none",
-                        revision=revision,
+                        revision=k.revision,
                         in_reply_to=c.request_id,
                         digest=c.digest,
                         error=ReceiptError(
@@ -261,7 +251,6 @@ class Participant:
                             }
                         )
                     )
-                    decisions.append("conflict")
             for c, status, code in fresh:
                 receipts.append(
                     _receipt(
@@ -287,14 +276,14 @@ class Participant:
             await self._emit(tx, receipts, unjournaled=conflict_answers, trace=trace)
             await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
             await tx.run("p_reemit_latest", {"ids": reemit})
-            await tx.run_many("p_conflict_insert", conflicts)
-            await tx.run_many("p_refused_insert", refused)
+            await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
+            await tx.run_many("p_refused_insert", [r.params() for r in refused])
         faults.crash_point("after_commit_before_ack")
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
-        for row in refused:
-            metrics.quarantined(f"participant.{self.me.owner}", row["reason"])
-        return decisions
+        for r in refused:
+            metrics.quarantined(f"participant.{self.me.owner}", r.reason)
+        return [d.value for d in decisions]
 
     async def _insert(
         self, tx: db.Tx, offered: Sequence[SubmitCommand], trace: Mapping[str, str | None]
@@ -312,7 +301,7 @@ class Participant:
                 "operation": [c.operation for c in offered],
                 "digest": [c.digest for c in offered],
                 "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c in offered],
-                "status": [_acceptance(c, self.handlers)[0] for c in offered],
+                "status": [acceptance.admission(c, self.handlers)[0].value for c in offered],
                 "effect": ["none" for _ in offered],
                 "owner_revision": [1 for _ in offered],
                 "traceparent": [trace.get(c.request_id) for c in offered],
@@ -324,8 +313,8 @@ class Participant:
         self,
         tx: db.Tx,
         c: CancelCommand,
-        refused: list[dict[str, Any]],
-        conflicts: list[dict[str, Any]],
+        refused: list[records.Refusal],
+        conflicts: list[records.Conflict],
         d: broker.Delivery,
     ) -> OperationReceipt | None:
         """Settle a cancel against our durable state: a tombstone before acceptance,
@@ -367,14 +356,13 @@ class Participant:
             assert row is not None
         if row["digest"] != c.digest:
             conflicts.append(
-                {
-                    "request_id": c.submit_request_id,
-                    "stored_digest": row["digest"],
-                    "received_digest": c.digest,
-                    "command": db.jsonb(c.model_dump(mode="json")),
-                }
+                records.Conflict(
+                    c.submit_request_id, row["digest"], c.digest, c.model_dump(mode="json")
+                )
             )
-            refused.append(_refused(d, "digest_conflict", "cancel for other work under this id"))
+            refused.append(
+                _refused(d, Reason.DIGEST_CONFLICT, "cancel for other work under this id")
+            )
             return None
         if row["status"] != "accepted":
             return None  # settled already: the real state is the answer
@@ -431,12 +419,8 @@ class Participant:
             await asyncio.sleep(CANCEL_LOCK_RETRY_S)
         raise AssertionError("unreachable")
 
-    def _refusal(self, c: SubmitCommand | QueryCommand | CancelCommand) -> tuple[str, str] | None:
-        if c.target.owner != self.me.owner or c.target.binding not in self.me.bindings:
-            return "wrong_owner", f"target {c.target.owner}/{c.target.binding} is not ours"
-        if isinstance(c, SubmitCommand) and c.semantic_digest() != c.digest:
-            return "digest_mismatch", "the digest does not match the command's fields"
-        return None
+    def _refusal(self, c: acceptance.Command) -> acceptance.Refusal | None:
+        return acceptance.refusal(c, owner=self.me.owner, bindings=self.me.bindings)
 
     async def _answers(self, tx: db.Tx, queries: Sequence[QueryCommand]) -> list[QueryAnswer]:
         if not queries:
@@ -450,23 +434,16 @@ class Participant:
         answers = []
         for q in queries:
             row = latest.get(q.submit_request_id)
-            receipt = codec.decode_receipt(bytes(row["body"])) if row else None
-            if receipt is not None and receipt.command_digest != q.digest:
-                receipt = None  # our receipt is about other work: not an answer to this
+            journaled: OperationReceipt | None = (
+                codec.decode_receipt(bytes(row["body"])) if row else None
+            )
             answers.append(
-                QueryAnswer(
-                    answer_id=identity.answer_id(
-                        q.request_id, receipt.owner_revision if receipt else 0
-                    ),
-                    tenant=q.tenant,
-                    operation_id=q.operation_id,
-                    attempt=q.attempt,
-                    request_id=q.submit_request_id,
-                    in_reply_to=q.request_id,
+                acceptance.query_answer(
+                    q,
+                    journaled,
                     owner=self.me.owner,
                     principal=self.me.principal,
-                    receipt=receipt,
-                    emitted_at=datetime.now(UTC),
+                    now=datetime.now(UTC),
                 )
             )
         return answers
@@ -570,34 +547,25 @@ class Participant:
         handler = self.handlers[row["operation"]]
         revision = int(row["owner_revision"]) + 1
         result: Mapping[str, Any] | None = None
-        error: ReceiptError | None = None
+        failure: Exception | None = None
         try:
             async with tx.savepoint():
                 result = await handler(call)
                 faults.crash_point("mid_effect")
-            status, effect = "succeeded", "applied"
-        except BusinessFailure as exc:
-            status, effect = "failed", "none"
-            error = ReceiptError(code=exc.code, message=exc.message[:2000])
-        except Exception as exc:  # a handler bug: its savepoint rolled back, so no effect
-            if row["executions"] + 1 < MAX_EXECUTIONS:
-                logs.event(
-                    "participant.handler_error",
-                    logging.WARNING,
-                    owner=self.me.owner,
-                    request_id=row["request_id"],
-                    error=repr(exc)[:300],
-                )
-                await tx.run(
-                    "p_exec_defer",
-                    {
-                        "request_id": row["request_id"],
-                        "delay": backoff_seconds(row["executions"], base=1),
-                    },
-                )
-                return None
-            status, effect = "failed", "none"
-            error = ReceiptError(code="handler_error", message=repr(exc)[:2000])
+        except Exception as exc:  # a business failure, or a handler bug: rolled back
+            failure = exc
+        done = acceptance.completion(result, failure, executions=row["executions"])
+        if isinstance(done, acceptance.Deferred):
+            logs.event(
+                "participant.handler_error",
+                logging.WARNING,
+                owner=self.me.owner,
+                request_id=row["request_id"],
+                error=repr(failure)[:300],
+            )
+            await tx.run("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
+            return None
+        status, effect, result, error = done.status, done.effect, done.result, done.error
         await tx.run(
             "p_exec_complete",
             {
@@ -622,11 +590,6 @@ class Participant:
         )
 
 
-def _acceptance(c: SubmitCommand, handlers: Mapping[str, Handler]) -> tuple[str, str]:
-    """A new command's status and error code: accepted, or rejected without a handler."""
-    return ("accepted", "") if c.operation in handlers else ("rejected", "unknown_operation")
-
-
 def _cmd(c: SubmitCommand) -> dict[str, Any]:
     return {
         "request_id": c.request_id,
@@ -636,8 +599,8 @@ def _cmd(c: SubmitCommand) -> dict[str, Any]:
     }
 
 
-def _refused(d: broker.Delivery, reason: str, detail: str) -> dict[str, Any]:
-    return {"reason": reason, "detail": detail[:2000], "message_id": d.message_id, "body": d.body}
+def _refused(d: broker.Delivery, reason: Reason, detail: str) -> records.Refusal:
+    return records.Refusal(reason, detail, d.message_id, d.body)
 
 
 async def serve(
