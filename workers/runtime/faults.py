@@ -150,6 +150,26 @@ def broken(name: str) -> bool:
     return name in armed().broken
 
 
+# Deliberately broken builds (``CUSTODY_BROKEN``): the chaos checker's own tests arm one
+# and expect the run to fail. Never set outside those tests.
+BROKEN: Final = frozenset(
+    {
+        "ack_before_commit",
+        "mark_before_confirm",
+        "ignore_lease",
+        "skip_instance_recheck",
+        "accepted_as_success",
+    }
+)
+_broken = frozenset(p for p in os.environ.get("CUSTODY_BROKEN", "").split(",") if p)
+if _broken - BROKEN:
+    raise RuntimeError(f"unknown broken builds: {sorted(_broken - BROKEN)}")
+
+
+def broken(name: str) -> bool:
+    return name in _broken
+
+
 class InjectedPoison(RuntimeError):
     """Raised for a delivery carrying the test's poison marker (tests only)."""
 
