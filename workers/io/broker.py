@@ -22,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import aio_pika
@@ -171,12 +172,32 @@ def safe_headers(headers: Mapping[str, Any]) -> dict[str, str]:
     return {printable(str(k)[:100]): printable(str(v)[:500]) for k, v in list(headers.items())[:32]}
 
 
-_CHANNEL_ERRORS = (
+_TRANSPORT_ERRORS = (
     aiormq.exceptions.AMQPError,
     aio_pika.exceptions.ChannelInvalidStateError,
-    RuntimeError,
     OSError,
 )
+_CLIENT_DIRS: Final = (Path(aio_pika.__file__).parent, Path(aiormq.__file__).parent)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """A lost or closing connection or channel: the client's own errors, and the bare
+    ``RuntimeError`` that aio-pika and aiormq raise about their state while a robust
+    connection reconnects ("Connection was not opened", "... closed"). A RuntimeError
+    raised anywhere else is a bug, never mistaken for a broker outage."""
+    if isinstance(exc, _TRANSPORT_ERRORS):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    where = Path(last.tb_frame.f_code.co_filename)
+    return any(where.is_relative_to(d) for d in _CLIENT_DIRS)
+
+
 _SETTLE_ERRORS = (
     aiormq.exceptions.AMQPError,
     aio_pika.exceptions.ChannelInvalidStateError,
@@ -307,7 +328,9 @@ class Broker:
             for name in queues:
                 queue = await channel.get_queue(name, ensure=True)
                 tags.append((queue, await queue.consume(on_message, no_ack=False)))
-        except _CHANNEL_ERRORS as exc:
+        except Exception as exc:
+            if not is_transport_error(exc):
+                raise
             await cleanup()
             raise errors.BrokerError(
                 f"consume {list(queues)}: {type(exc).__name__}: {exc}", errors.Retry.RETRY
@@ -345,7 +368,9 @@ class Publisher:
         """Publish all; each outcome is ok only on a positive, non-returned confirm."""
         try:
             channel = await self._ready()
-        except (aiormq.exceptions.AMQPError, OSError, RuntimeError) as exc:
+        except Exception as exc:
+            if not is_transport_error(exc):
+                raise
             return [Outcome(i.message_id, False, f"channel: {exc}") for i in items]
         return list(await asyncio.gather(*(self._one(channel, i) for i in items)))
 
@@ -372,12 +397,9 @@ class Publisher:
                 return Outcome(item.message_id, False, "confirm timeout (outcome unknown)")
             except (ValueError, TypeError, OverflowError) as exc:  # not encodable: not sent
                 return Outcome(item.message_id, False, f"unencodable: {type(exc).__name__}: {exc}")
-            except (
-                aiormq.exceptions.AMQPError,
-                aio_pika.exceptions.ChannelInvalidStateError,
-                OSError,
-                RuntimeError,
-            ) as exc:
+            except Exception as exc:
+                if not is_transport_error(exc):
+                    raise
                 return Outcome(item.message_id, False, f"channel: {type(exc).__name__}: {exc}")
         if not isinstance(confirm, spec.Basic.Ack):
             return Outcome(item.message_id, False, f"not confirmed: {confirm!r}")

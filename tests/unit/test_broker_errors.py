@@ -1,0 +1,43 @@
+"""What counts as a broker outage (retried, the message stays on the broker) and what is
+a bug (raised): aio-pika's own state errors while a robust connection reconnects are the
+first, a RuntimeError from custody's code is the second (issue 11: RuntimeError left the
+catch-all tuples)."""
+
+from __future__ import annotations
+
+import aio_pika
+import aiormq
+import pytest
+
+from workers.io.broker import is_transport_error
+
+
+async def test_aio_pikas_not_opened_error_is_a_transport_error() -> None:
+    connection = aio_pika.Connection("amqp://guest:guest@127.0.0.1:1/")
+    with pytest.raises(RuntimeError) as raised:
+        connection.channel()
+    assert is_transport_error(raised.value)
+
+
+def test_a_runtime_error_of_custodys_own_is_a_bug() -> None:
+    def ours() -> None:
+        raise RuntimeError("operation changed under its row lock")
+
+    with pytest.raises(RuntimeError) as raised:
+        ours()
+    assert not is_transport_error(raised.value)
+    assert not is_transport_error(RuntimeError("never raised"))
+
+
+@pytest.mark.parametrize(
+    ("exc", "transport"),
+    [
+        (ConnectionResetError("reset"), True),
+        (aiormq.exceptions.ChannelInvalidStateError("closed"), True),
+        (aiormq.exceptions.AMQPConnectionError("gone"), True),
+        (ValueError("bad"), False),
+        (KeyError("x"), False),
+    ],
+)
+def test_the_client_errors_are_transport_errors(exc: BaseException, transport: bool) -> None:
+    assert is_transport_error(exc) is transport
