@@ -12,7 +12,18 @@ import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from contracts.digest import MAX_DEPTH
-from contracts.models import ReceiptMessage, RequestMessage, ServiceCommand, StartRequest
+from contracts.models import (
+    CancelCommand,
+    CancelRequest,
+    OperationReceipt,
+    QueryAnswer,
+    QueryCommand,
+    ReceiptMessage,
+    RequestMessage,
+    ServiceCommand,
+    StartRequest,
+    SubmitCommand,
+)
 
 DEFAULT_MAX_BYTES: Final = 256 * 1024
 
@@ -103,14 +114,21 @@ def _summary(errors: list[Any]) -> str:
     return "; ".join(parts) + more
 
 
-def decode_command(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+Command = SubmitCommand | QueryCommand | CancelCommand
+Receipt = OperationReceipt | QueryAnswer
+Request = StartRequest | CancelRequest
+
+
+def decode_command(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Command:
     """Decode a :data:`ServiceCommand` (submit, query or cancel)."""
-    return _decode(_command, body, max_bytes)
+    result: Command = _decode(_command, body, max_bytes)
+    return result
 
 
-def decode_receipt(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+def decode_receipt(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Receipt:
     """Decode a :data:`ReceiptMessage` (a receipt or a query answer)."""
-    return _decode(_receipt, body, max_bytes)
+    result: Receipt = _decode(_receipt, body, max_bytes)
+    return result
 
 
 def decode_start(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> StartRequest:
@@ -119,9 +137,10 @@ def decode_start(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> StartReques
     return result
 
 
-def decode_request(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+def decode_request(body: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Request:
     """Decode a :data:`RequestMessage` (a start request or a cancel request)."""
-    return _decode(_request, body, max_bytes)
+    result: Request = _decode(_request, body, max_bytes)
+    return result
 
 
 def encode(model: BaseModel) -> bytes:

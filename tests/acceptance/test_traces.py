@@ -167,7 +167,9 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
 
         await crew.wait(got_replay, timeout=10, what="the replay on the spy queue")
         assert replay is not None and trace_parts(replay.headers["traceparent"])[0] != trace_id
-        assert codec.decode_command(replay.body).semantic_digest() == command.digest
+        replayed = codec.decode_command(replay.body)
+        assert isinstance(replayed, SubmitCommand)
+        assert replayed.semantic_digest() == command.digest
     finally:
         await connection.close()
 

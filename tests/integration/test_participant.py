@@ -9,10 +9,17 @@ from datetime import UTC, datetime
 import pytest
 
 from contracts import codec, identity
-from contracts.models import Lineage, SubmitCommand, Target
+from contracts.models import Lineage, OperationReceipt, SubmitCommand, Target
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, drain, publish_raw
 from workers.io import broker
+
+
+def _receipt(body: bytes) -> OperationReceipt:
+    """A receipt (never a query answer) off the receipts queue."""
+    decoded = codec.decode_receipt(body)
+    assert isinstance(decoded, OperationReceipt), decoded
+    return decoded
 
 
 def submit(**overrides: object) -> SubmitCommand:
@@ -91,7 +98,7 @@ async def test_same_command_delivered_twice_executes_once_with_identical_receipt
         participant=True,
     )
     assert effects == 1
-    assert [codec.decode_receipt(d.body).status for d in first] == ["accepted", "succeeded"]
+    assert [_receipt(d.body).status for d in first] == ["accepted", "succeeded"]
     assert len(again) == 1, "the duplicate must be answered with the existing receipt"
     assert again[0].body == first[1].body
     assert again[0].message_id == first[1].message_id == identity.receipt_id(cmd.request_id, 2)
@@ -119,7 +126,7 @@ async def test_changed_input_under_the_same_identity_conflicts_and_executes_noth
     answers = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
 
     assert len(answers) == 1
-    answer = codec.decode_receipt(answers[0].body)
+    answer = _receipt(answers[0].body)
     assert (answer.status, answer.effect) == ("rejected", "none")
     assert answer.error is not None and answer.error.code == "digest_conflict"
     conflicts = await env.sql(
@@ -285,7 +292,7 @@ async def test_an_unknown_operation_is_answered_rejected_with_effect_none(
     cmd = submit(operation="inventory.teleport")
     await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [codec.encode(cmd)])
     [answer] = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=2.0)
-    receipt = codec.decode_receipt(answer.body)
+    receipt = _receipt(answer.body)
     assert (receipt.status, receipt.effect) == ("rejected", "none")
     assert receipt.error is not None and receipt.error.code == "unknown_operation"
     assert await _status(env, cmd.request_id) == "rejected"

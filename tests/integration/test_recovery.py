@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from contracts import codec
+from contracts.models import SubmitCommand
 from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, order, publish_starts
@@ -346,6 +347,7 @@ async def test_operator_retry_safe_from_retry_waiting_creates_attempt_two(
         assert [getattr(second, f) for f in same] == [getattr(first, f) for f in same]
         assert (first.attempt, second.attempt) == (1, 2)
         assert second.request_id == json.loads(done.stdout)["request_id"] != first.request_id
+        assert isinstance(second, SubmitCommand)
         assert second.digest == second.semantic_digest() != first.digest
         assert (
             await env.scalar("SELECT count(*) FROM participant_payments.charges", participant=True)

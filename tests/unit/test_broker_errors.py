@@ -8,12 +8,13 @@ from __future__ import annotations
 import aio_pika
 import aiormq
 import pytest
+from yarl import URL
 
 from workers.io.broker import is_transport_error
 
 
 async def test_aio_pikas_not_opened_error_is_a_transport_error() -> None:
-    connection = aio_pika.Connection("amqp://guest:guest@127.0.0.1:1/")
+    connection = aio_pika.Connection(URL("amqp://guest:guest@127.0.0.1:1/"))
     with pytest.raises(RuntimeError) as raised:
         connection.channel()
     assert is_transport_error(raised.value)

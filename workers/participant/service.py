@@ -434,9 +434,9 @@ class Participant:
         answers = []
         for q in queries:
             row = latest.get(q.submit_request_id)
-            journaled: OperationReceipt | None = (
-                codec.decode_receipt(bytes(row["body"])) if row else None
-            )
+            stored = codec.decode_receipt(bytes(row["body"])) if row else None
+            # the journal holds this participant's receipts, never a query answer
+            journaled = stored if isinstance(stored, OperationReceipt) else None
             answers.append(
                 acceptance.query_answer(
                     q,
