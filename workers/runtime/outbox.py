@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from workers import errors
+from workers.core.records import History
 from workers.errors import backoff_seconds
 from workers.io import broker, db
 from workers.runtime import faults, logs, metrics, supervisor
@@ -129,13 +130,9 @@ class OutboxPublisher:
                 await tx.run_many(
                     "history_insert",
                     [
-                        {
-                            "instance_id": m["instance_id"],
-                            "operation_id": m["id"],
-                            "event": "operation.dispatched",
-                            "detail": db.jsonb({}),
-                            "actor": ACTOR,
-                        }
+                        History(
+                            m["instance_id"], "operation.dispatched", ACTOR, operation_id=m["id"]
+                        ).params(db.jsonb)
                         for m in moved
                     ],
                 )
