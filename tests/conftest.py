@@ -7,12 +7,12 @@ them (``bash scripts/ensure-services.sh``); it never skips.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import hypothesis
@@ -145,21 +145,22 @@ class Env:
 
 
 @pytest.fixture
-def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Iterator[Env]:
+def env(templates: tuple[str, str], broker_users: None) -> Iterator[Env]:
+    yield from world(templates)
+
+
+def world(templates: tuple[str, str]) -> Iterator[Env]:
+    """A test's world (two databases cloned from the templates, a vhost with the topology
+    and the broker users), for a fixture of any scope to yield from."""
     engine_tpl, part_tpl = templates
     tag = uuid.uuid4().hex[:10]
     engine_db, part_db, vhost = f"custody_t_{tag}", f"custody_p_{tag}", f"custody-test-{tag}"
-    _admin(
-        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(engine_db), sql.Identifier(engine_tpl)
+    for name, template in ((engine_db, engine_tpl), (part_db, part_tpl)):
+        _admin(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template)
+            )
         )
-    )
-    _admin(
-        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(part_db), sql.Identifier(part_tpl)
-        )
-    )
-    asyncio.run(broker.ensure_vhost(MGMT, vhost, ["guest"]))
     settings = Settings(
         database_url=_url(engine_db),
         participant_database_url=_url(part_db),
@@ -173,12 +174,34 @@ def env(templates: tuple[str, str], broker_users: None, tmp_path: Path) -> Itera
         prefetch=100,
         confirm_timeout_s=5.0,
     )
-    asyncio.run(provision.apply_topology(settings))
-    asyncio.run(provision.dev_users(settings, DEV_PASSWORD))
+    asyncio.run(_broker_world(settings, vhost))
     yield Env(settings, vhost, engine_db, part_db)
+    # the test's world is removed behind the next test's back (a vhost with quorum
+    # queues takes about a second to delete); the session waits for it at the end
+    _CLEANUP.append(_CLEANER.submit(_remove_world, vhost, (engine_db, part_db)))
+
+
+async def _broker_world(settings: Settings, vhost: str) -> None:
+    await broker.ensure_vhost(MGMT, vhost, ["guest"])
+    await asyncio.gather(
+        provision.apply_topology(settings), provision.dev_users(settings, DEV_PASSWORD)
+    )
+
+
+def _remove_world(vhost: str, databases: tuple[str, ...]) -> None:
     asyncio.run(broker.delete_vhost(MGMT, vhost))
-    for name in (engine_db, part_db):
+    for name in databases:
         _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+_CLEANER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cleanup")
+_CLEANUP: list[concurrent.futures.Future[None]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for done in _CLEANUP:
+        done.result()
+    _CLEANER.shutdown()
 
 
 async def wait_until(

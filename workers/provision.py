@@ -92,14 +92,19 @@ async def dev_users(settings: Settings, password: str) -> None:
     table, _ = process.load_config(settings)
     vhost = broker.vhost_of(settings.amqp_url)
     plan = broker.permissions({r.principal: r.binding for r in table.by_name.values()})
-    for user, (configure, write, read) in plan.items():
-        await broker.ensure_user(
-            settings.amqp_management_url,
-            user,
-            password,
-            vhost,
-            configure=configure,
-            write=write,
-            read=read,
+    await asyncio.gather(
+        *(
+            broker.ensure_user(
+                settings.amqp_management_url,
+                user,
+                password,
+                vhost,
+                configure=configure,
+                write=write,
+                read=read,
+            )
+            for user, (configure, write, read) in plan.items()
         )
+    )
+    for user, (configure, write, read) in plan.items():
         print(f"broker user {user}: configure {configure} write {write} read {read}")

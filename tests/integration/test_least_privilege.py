@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Iterator
 
 import psycopg
 import pytest
 
 from contracts import codec
-from tests.conftest import Env
+from tests.conftest import Env, world
 from tests.harness import publish_raw
 from tests.integration.test_participant import submit
 from workers.harness import fleet
@@ -50,14 +51,21 @@ AUDIT_WRITERS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def shared(templates: tuple[str, str], broker_users: None) -> Iterator[Env]:
+    """One world for the refusals: a refused statement changes nothing, so the cases can
+    share it (each checks its own rows)."""
+    yield from world(templates)
+
+
 @pytest.mark.parametrize(
     ("role", "statement"), REFUSED, ids=[f"{r}:{s.split()[0]}" for r, s in REFUSED]
 )
 def test_each_engine_role_is_refused_outside_its_commit_boundary(
-    env: Env, role: str, statement: str
+    shared: Env, role: str, statement: str
 ) -> None:
     with (
-        psycopg.connect(db.with_user(env.settings.database_url, role)) as conn,
+        psycopg.connect(db.with_user(shared.settings.database_url, role)) as conn,
         pytest.raises(psycopg.errors.InsufficientPrivilege),
     ):
         conn.execute(statement)
@@ -68,11 +76,11 @@ def test_each_engine_role_is_refused_outside_its_commit_boundary(
     "statement", ["UPDATE custody.audit SET outcome = 'x'", "DELETE FROM custody.audit"]
 )
 def test_runtime_roles_cannot_update_or_delete_audit_rows(
-    env: Env, role: str, statement: str
+    shared: Env, role: str, statement: str
 ) -> None:
     """INV-10: runtime roles cannot update or delete audit rows."""
     with (
-        psycopg.connect(db.with_user(env.settings.database_url, role)) as conn,
+        psycopg.connect(db.with_user(shared.settings.database_url, role)) as conn,
         pytest.raises(psycopg.errors.InsufficientPrivilege),
     ):
         conn.execute(statement)
@@ -175,18 +183,18 @@ def _row(env: Env, table: str, status: str) -> str:
     ("table", "before", "after"), ILLEGAL, ids=[f"{t}:{b}->{a}" for t, b, a in ILLEGAL]
 )
 def test_a_status_change_the_lifecycle_forbids_is_refused_by_the_database(
-    env: Env, role: str, table: str, before: str, after: str
+    shared: Env, role: str, table: str, before: str, after: str
 ) -> None:
     """The seed: "Unknown effects cannot become success through an operator assertion
     or blind replay" and "Operators use controlled recovery commands rather than
     editing runtime rows directly." Whoever attempts it — a worker role, the operator
     role, the owner — a status change the lifecycle table does not allow is refused by
     the database itself: by a missing privilege, or by the transition guard."""
-    ident = _row(env, table, before)
+    ident = _row(shared, table, before)
     url = (
-        env.settings.database_url
+        shared.settings.database_url
         if role == "postgres"
-        else db.with_user(env.settings.database_url, role)
+        else db.with_user(shared.settings.database_url, role)
     )
     with psycopg.connect(url) as conn:
         with pytest.raises(psycopg.Error) as refused:
@@ -197,7 +205,7 @@ def test_a_status_change_the_lifecycle_forbids_is_refused_by_the_database(
         assert isinstance(refused.value, psycopg.errors.InsufficientPrivilege) or (
             refused.value.sqlstate == "CU002"
         ), refused.value
-    with psycopg.connect(env.settings.database_url) as conn:
+    with psycopg.connect(shared.settings.database_url) as conn:
         row = conn.execute(f"SELECT status::text FROM custody.{table} WHERE id = %s", (ident,))  # type: ignore[arg-type]
         assert row.fetchone() == (before,)
 
@@ -227,20 +235,20 @@ ASSERTED = [
 )
 @pytest.mark.parametrize(("before", "after"), ASSERTED, ids=[f"{b}->{a}" for b, a in ASSERTED])
 def test_an_outcome_is_never_asserted_by_a_role_that_validates_no_receipt(
-    env: Env, role: str, before: str, after: str
+    shared: Env, role: str, before: str, after: str
 ) -> None:
     """The seed: "Unknown effects cannot become success through an operator assertion
     or blind replay." An outcome comes only from a validated receipt: even a change
     the lifecycle allows (outcome_unknown -> succeeded) is refused by the database
     unless the receipt consumer's role writes it."""
-    oid = _row(env, "operations", before)
-    with psycopg.connect(db.with_user(env.settings.database_url, role)) as conn:
+    oid = _row(shared, "operations", before)
+    with psycopg.connect(db.with_user(shared.settings.database_url, role)) as conn:
         with pytest.raises(psycopg.Error) as refused:
             conn.execute("UPDATE custody.operations SET status = %s WHERE id = %s", (after, oid))
         assert isinstance(refused.value, psycopg.errors.InsufficientPrivilege) or (
             refused.value.sqlstate == "CU003"
         ), refused.value
-    with psycopg.connect(env.settings.database_url) as conn:
+    with psycopg.connect(shared.settings.database_url) as conn:
         row = conn.execute("SELECT status::text FROM custody.operations WHERE id = %s", (oid,))
         assert row.fetchone() == (before,)
 
