@@ -181,21 +181,23 @@ _CLIENT_DIRS: Final = (Path(aio_pika.__file__).parent, Path(aiormq.__file__).par
 
 
 def is_transport_error(exc: BaseException) -> bool:
-    """A lost or closing connection or channel: the client's own errors, and the bare
-    ``RuntimeError`` that aio-pika and aiormq raise about their state while a robust
-    connection reconnects ("Connection was not opened", "... closed"). A RuntimeError
-    raised anywhere else is a bug, never mistaken for a broker outage."""
+    """A lost or closing connection or channel: the client's own errors, and a bare
+    ``RuntimeError`` raised inside aio-pika or aiormq, or by the transport under them
+    (asyncio's "Cannot call write() after write_eof()" while a connection closes): about
+    their state while a robust connection reconnects ("Connection was not opened", "...
+    closed"). A RuntimeError that never passed through the client is a bug, never
+    mistaken for a broker outage."""
     if isinstance(exc, _TRANSPORT_ERRORS):
         return True
     if not isinstance(exc, RuntimeError):
         return False
-    tb, last = exc.__traceback__, None
+    tb = exc.__traceback__
     while tb is not None:
-        last, tb = tb, tb.tb_next
-    if last is None:
-        return False
-    where = Path(last.tb_frame.f_code.co_filename)
-    return any(where.is_relative_to(d) for d in _CLIENT_DIRS)
+        where = Path(tb.tb_frame.f_code.co_filename)
+        if any(where.is_relative_to(d) for d in _CLIENT_DIRS):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _SETTLE_ERRORS = (

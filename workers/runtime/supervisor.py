@@ -143,6 +143,13 @@ class Waker:
             attempt += 1
 
 
+ROW_CHANGED_REDOS = 5  # redos of a unit whose rows changed under their locks
+
+
+def _row_changed(exc: Exception) -> bool:
+    return isinstance(exc, errors.DatabaseError) and exc.sqlstate == errors.ROW_CHANGED_SQLSTATE
+
+
 async def redo(
     unit: Callable[[], Awaitable[Any]],
     *,
@@ -161,7 +168,7 @@ async def redo(
     """
     from workers.runtime import metrics
 
-    attempt = 0
+    attempt = changed = 0
     while True:
         try:
             return await unit()
@@ -171,6 +178,12 @@ async def redo(
             await on_fenced()
         except (errors.DatabaseError, errors.BrokerError) as exc:
             if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN):
+                raise
+            changed = changed + 1 if _row_changed(exc) else 0
+            if changed > ROW_CHANGED_REDOS:
+                # a race is over after a redo or two; the same mismatch again and again is
+                # this unit's own (a bug): raised, so that a batch is split and the
+                # delivery that still fails alone is isolated, never retried forever
                 raise
             metrics.UNIT_FAILURES.labels(worker, exc.kind.value).inc()
             event(
