@@ -8,15 +8,24 @@ from __future__ import annotations
 import aio_pika
 import aiormq
 import pytest
-from yarl import URL
 
 from workers.io.broker import is_transport_error
 
 
-async def test_aio_pikas_not_opened_error_is_a_transport_error() -> None:
-    connection = aio_pika.Connection(URL("amqp://guest:guest@127.0.0.1:1/"))
+def test_a_runtime_error_raised_inside_aio_pika_is_a_transport_error() -> None:
+    """aio-pika raises bare RuntimeErrors about its own state ("Connection was not
+    opened", "Collection frozen"): raised inside the client, they are transport errors."""
+
+    class Sender:
+        pass
+
+    sender = Sender()
+    callbacks: aio_pika.tools.CallbackCollection[Sender, []] = aio_pika.tools.CallbackCollection(
+        sender
+    )
+    callbacks.freeze()
     with pytest.raises(RuntimeError) as raised:
-        connection.channel()
+        callbacks.add(lambda *_: None)
     assert is_transport_error(raised.value)
 
 
