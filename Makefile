@@ -4,7 +4,8 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install services demo test test-unit test-tools lint bench schemas clean
+.PHONY: install services demo test test-unit test-tools lint bench schemas clean chaos soak \
+	chaos-cluster chaos-selftest chaos-tools
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +26,7 @@ demo: install services
 test-tools:
 	bash scripts/install-test-tools.sh
 
-test: install services test-tools
+test: install services test-tools chaos-tools
 	$(BIN)/pytest
 
 # The tier that needs no service (no Postgres, no RabbitMQ): pure code, the deploy
@@ -42,6 +43,29 @@ lint: install
 	bash scripts/install-lint-tools.sh
 	bash scripts/lint-deploy.sh
 
+# The chaos harness starts its own Postgres clusters and RabbitMQ node(s) under .chaos/
+# (never the shared ones): it needs initdb/pg_ctl and rabbitmq-server installed.
+# SEED=N reproduces a run's schedule; SEEDS="1 2 3" runs several.
+chaos-tools:
+	@command -v initdb >/dev/null && command -v pg_ctl >/dev/null || \
+	  { echo "chaos needs PostgreSQL's initdb and pg_ctl on PATH"; exit 1; }
+	@test -x /usr/lib/rabbitmq/bin/rabbitmq-server || \
+	  { echo "chaos needs rabbitmq-server (Debian package rabbitmq-server)"; exit 1; }
+
+SEEDS ?= $(or $(SEED),$(shell date +%s))
+chaos: install chaos-tools
+	@for s in $(SEEDS); do $(BIN)/python -m chaos run --seed $$s || exit 1; done
+
+soak: install chaos-tools
+	$(BIN)/python -m chaos soak $(if $(SEED),--seed $(SEED))
+
+chaos-cluster: install chaos-tools
+	$(BIN)/python -m chaos cluster $(if $(SEED),--seed $(SEED))
+
+# the checker's own tests: each deliberately broken build must make a run fail
+chaos-selftest: install chaos-tools
+	CUSTODY_CHAOS_SELFTEST=1 $(BIN)/pytest tests/chaos -m chaos_selftest
+
 bench: install services
 	$(BIN)/python -m bench.run
 
@@ -50,4 +74,4 @@ schemas: install
 	$(BIN)/custody contracts schemas
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .demo .chaos .pytest_cache .mypy_cache .ruff_cache
