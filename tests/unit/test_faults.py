@@ -21,7 +21,7 @@ def _fresh() -> Iterator[None]:
 def test_nothing_is_armed_by_an_empty_environment() -> None:
     assert faults.arm({}) == faults.Armed()
     assert not faults.enabled("before_commit")
-    assert not faults.broken("ignore_lease")
+    assert not faults.broken("accepted_as_success")
     faults.crash_point("before_commit")  # does nothing
     faults.poison_check("w", [b"anything"])
 
@@ -31,13 +31,13 @@ def test_the_environment_arms_points_builds_and_the_poison_marker() -> None:
         {
             "CUSTODY_CRASH_POINTS": "before_commit,mid_effect",
             "CUSTODY_STOP_POINTS": "starts_locked",
-            "CUSTODY_BROKEN": "ignore_lease",
+            "CUSTODY_BROKEN": "accepted_as_success",
             "CUSTODY_FAULT_POISON_MARKER": "POISON",
         }
     )
     assert armed.crash == {"before_commit", "mid_effect"}
     assert armed.stops == {"starts_locked"}
-    assert faults.enabled("mid_effect") and faults.broken("ignore_lease")
+    assert faults.enabled("mid_effect") and faults.broken("accepted_as_success")
     with pytest.raises(faults.InjectedPoison):
         faults.poison_check("w", [b"x", b"a POISON pill"])
 

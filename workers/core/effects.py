@@ -52,9 +52,12 @@ def of_receipt(
     judgement: validation.Judgement,
     *,
     actor: str,
+    recheck_instance: bool = True,
 ) -> Effects:
     """The writes of an APPLY decision about ``receipt`` for the operation ``op`` (its
-    current view in this batch; ``row`` as it was locked)."""
+    current view in this batch; ``row`` as it was locked). ``recheck_instance=False``
+    is the chaos checker's deliberately broken build only (successors for a cancelling
+    instance)."""
     decision = judgement.decision
     assert decision is not None and decision.status is not None and decision.effect is not None
     status, effect = decision.status, decision.effect
@@ -114,10 +117,11 @@ def of_receipt(
             )
         )
     node = NodeFinish(op.id, status)
-    if (
-        op.status is S.CANCELLING
-        or status is S.CANCELLED
-        or row.instance_status is lifecycle.InstanceStatus.CANCELLING
+    if status is S.CANCELLED or (
+        recheck_instance
+        and (
+            op.status is S.CANCELLING or row.instance_status is lifecycle.InstanceStatus.CANCELLING
+        )
     ):
         # a success that wins the race stays succeeded, but the cancelled instance
         # gets no successors; it settles once all its work has

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
 from workers import errors
 from workers.core import effects as effects_
-from workers.core import process, records, validation
+from workers.core import lifecycle, process, records, validation
 from workers.core.reasons import Reason
 from workers.engine import context
 from workers.io import broker, db
@@ -176,7 +176,16 @@ class ReceiptConsumer:
             views[op.id] = news.view
             w.add(news)
         elif j.applies and receipt is not None:
-            done = effects_.of_receipt(row, op, receipt, j, actor=ACTOR)
+            if faults.broken("accepted_as_success") and decision is not None:
+                j = _accepted_as_success(j, decision)  # chaos self-test only
+            done = effects_.of_receipt(
+                row,
+                op,
+                receipt,
+                j,
+                actor=ACTOR,
+                recheck_instance=not faults.broken("skip_instance_recheck"),
+            )
             views[op.id] = done.view
             w.add(done)
             if done.terminal:
@@ -264,3 +273,13 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
             )
 
         await supervisor.supervise(main=[receipts_in()], side=[ctx.heartbeat()])
+
+
+def _accepted_as_success(
+    j: validation.Judgement, decision: validation.Decision
+) -> validation.Judgement:
+    """The chaos checker's deliberately broken build: an acceptance read as a success."""
+    if decision.status is not lifecycle.Status.ACCEPTED:
+        return j
+    wrong = replace(decision, status=lifecycle.Status.SUCCEEDED, effect=lifecycle.Effect.APPLIED)
+    return replace(j, decision=wrong)

@@ -59,6 +59,9 @@ async def run(
                     metrics.UNDECODABLE.labels(worker).inc(
                         sum(d.undecodable is not None for d in batch)
                     )
+                    if faults.broken("ack_before_commit"):  # chaos self-test only
+                        for d in batch:
+                            await d.ack()
                     await process(
                         batch,
                         worker=worker,

@@ -46,7 +46,6 @@ BROKEN: Final = frozenset(
     {
         "ack_before_commit",
         "mark_before_confirm",
-        "ignore_lease",
         "skip_instance_recheck",
         "accepted_as_success",
     }
