@@ -393,6 +393,9 @@ SELECT custody.t_restore_resume(%(actor)s, %(reason)s, %(force)s) AS outcome;
 -- name: t_retire_submits
 SELECT custody.t_retire_submits(%(actor)s, %(operation_id)s::uuid) AS n;
 
+-- name: t_resend_cancels
+SELECT custody.t_resend_cancels(%(actor)s, %(limit)s) AS n;
+
 -- Operators file (custody migrate, custody operators apply): one transaction --------------
 
 -- name: operators_sync

@@ -361,7 +361,10 @@ BEGIN
             WHERE instance_id = p_instance AND status NOT IN ('succeeded', 'failed', 'cancelled')
             ORDER BY id FOR UPDATE LOOP
     IF r.status = 'cancelling' THEN
-      v_to := r.status;  -- a repeated cancel re-sends the command
+      v_to := r.status;  -- a repeated cancel re-sends the command, with a new deadline
+      UPDATE custody.operations
+         SET deadline_at = now() + make_interval(secs => deadline_seconds), updated_at = now()
+       WHERE id = r.id;
     ELSE
       v_to := custody.next_status(r.status, 'cancel');
       IF v_to IS NULL THEN
@@ -371,7 +374,11 @@ BEGIN
       UPDATE custody.operations
          SET status = v_to, updated_at = now(),
              effect = CASE WHEN v_to = 'cancelled' THEN 'none'::custody.effect ELSE effect END,
-             finished_at = CASE WHEN v_to = 'cancelled' THEN now() END
+             finished_at = CASE WHEN v_to = 'cancelled' THEN now() END,
+             -- the cancel's answer is awaited this long, then asked for again
+             deadline_at = CASE WHEN v_to = 'cancelling'
+                                THEN now() + make_interval(secs => deadline_seconds)
+                                ELSE deadline_at END
        WHERE id = r.id AND status = r.status;
       IF NOT FOUND THEN
         PERFORM custody.changed_under_lock('operation ' || r.id);
@@ -414,6 +421,38 @@ BEGIN
     'instance_status', CASE WHEN v_settled THEN 'cancelled' ELSE 'cancelling' END,
     'cancelling', to_jsonb(v_cancelling),
     'cancelled', to_jsonb(v_cancelled));
+END $$;
+
+-- A cancel whose answer never came is asked again once its deadline passes, with a
+-- doubling deadline: silence is not an answer, and it is never taken for a cancellation
+-- either (the operation stays cancelling until authoritative evidence). The executor
+-- answers a repeated cancel with the receipt it already holds.
+CREATE OR REPLACE FUNCTION custody.t_resend_cancels(p_actor text, p_limit int)
+RETURNS int LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  r custody.operations;
+  v_sequence int;
+  v_request uuid;
+  n int := 0;
+BEGIN
+  FOR r IN SELECT * FROM custody.operations
+            WHERE status = 'cancelling' AND deadline_at < now()
+            ORDER BY deadline_at LIMIT p_limit
+            FOR UPDATE SKIP LOCKED LOOP
+    v_sequence := custody.next_sequence(r.id, r.attempt, 'cancel');
+    v_request := custody.issue_command(
+      r.id, 'cancel', v_sequence, 'the cancel was not answered before its deadline');
+    UPDATE custody.operations
+       SET deadline_at = now() + make_interval(
+             secs => r.deadline_seconds * power(2, least(v_sequence - 1, 6))),
+           updated_at = now()
+     WHERE id = r.id;
+    PERFORM custody.history_add(r.instance_id, r.id, 'operation.cancel_resent', p_actor,
+      jsonb_build_object('cancel_request_id', v_request::text, 'sequence', v_sequence,
+                         'cause', 'cancel unanswered'));
+    n := n + 1;
+  END LOOP;
+  RETURN n;
 END $$;
 
 -- Cancel an instance: a request to settle its work consistently with the executors'
@@ -660,7 +699,8 @@ GRANT EXECUTE ON FUNCTION custody.reconcile(text, text), custody.retry_safe(text
   TO PUBLIC;
 -- the workers' automatic policies and engine-channel cancels
 GRANT EXECUTE ON FUNCTION custody.t_reconcile(text, text, text),
-  custody.t_retry_safe(text, text, text) TO custody_reconciler;
+  custody.t_retry_safe(text, text, text), custody.t_resend_cancels(text, int)
+  TO custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.t_cancel(text, text, text),
   custody.t_cancel_start(text, text, text, text) TO custody_committer;
 GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publisher;

@@ -24,7 +24,7 @@ from participants import samples
 from tests.conftest import MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, client, order, publish_raw, publish_starts
-from tests.integration.test_recovery import custody, status_of, until_status
+from tests.integration.test_recovery import custody, purge, status_of, until_status
 from workers.io import broker
 from workers.participant import service
 from workers.runtime import probes, supervisor
@@ -271,15 +271,13 @@ async def test_nothing_is_marked_cancelled_on_a_timeout(env: Env, tmp_path: Path
         assert (await custody(env, "cancel", iid, "--reason", "customer cancelled")).returncode == 0
         await until_status(env, "reserve", "cancelling")
 
-        async def past_deadline() -> bool:
-            return (
-                await env.scalar(
-                    "SELECT deadline_at < now() - interval '1 second' FROM custody.operations"
-                )
-                is True
-            )
+        async def asked_again() -> bool:
+            # the cancel's deadline passed and the reconciler asked again: silence is
+            # neither an answer nor a cancellation
+            n = await env.scalar("SELECT count(*) FROM custody.attempts WHERE kind = 'cancel'")
+            return bool(n >= 2)
 
-        await wait_until(past_deadline, what="the deadline long passed")
+        await wait_until(asked_again, what="the deadline passed and the cancel asked again")
         await asyncio.sleep(0.5)  # a reconciler sweep (poll 0.2 s) has run since
         assert await status_of(env, "reserve") == ("cancelling", "unknown", 1, "cancelling")
     finally:
@@ -406,3 +404,55 @@ def _start_custom(
         cancel_hooks=hooks,
     )
     fleet.running.append(Running("inventory", stop, asyncio.create_task(coro)))
+
+
+async def test_a_cancel_whose_answer_is_lost_is_asked_again_and_settles(
+    env: Env, tmp_path: Path
+) -> None:
+    """Found by the chaos soaks: the executor settled the cancel and its answer was lost
+    in transit; the operation must not stay cancelling for ever. Past the cancel's
+    deadline the reconciler asks again (the operation stays cancelling meanwhile), the
+    executor answers with the receipt it holds, and the instance settles: "cancellation
+    is a request to settle work consistently with the executor's durable state"."""
+    env.settings = dataclasses.replace(
+        env.settings, processes_dir=str(processes.write(tmp_path / "p", deadline_s=2))
+    )
+    fleet = InProcessFleet(env)
+    fleet.start_all(participants=())  # the reserve is dispatched, nobody executes it yet
+    try:
+        [start] = await publish_starts(env.settings, [order(1)])
+        iid = await instance_of(env, start)
+        await until_status(env, "reserve", "dispatched")
+        receipts = next(r for r in fleet.running if r.name == "receipts")
+        await fleet.stop(receipts)  # the engine stops hearing from the participants
+        assert (await custody(env, "cancel", iid, "--reason", "customer cancelled")).returncode == 0
+        await until_status(env, "reserve", "cancelling")
+        fleet.start("inventory")
+
+        async def answered() -> bool:
+            # the executor settled the cancel and every receipt it holds is sent
+            settled = await env.scalar(
+                "SELECT count(*) FROM participant_inventory.inbox WHERE status = 'cancelled'",
+                participant=True,
+            )
+            unsent = await env.scalar(
+                "SELECT count(*) FROM participant_inventory.outbox WHERE published_at IS NULL",
+                participant=True,
+            )
+            return bool(settled == 1 and unsent == 0)
+
+        await wait_until(answered, what="the participant's answer to the cancel sent")
+        await purge(env, broker.QUEUE_RECEIPTS)  # and lost in transit
+        fleet.start("receipts")
+        await until_status(env, "reserve", "cancelled", timeout=30)
+        assert await instance_status(env, iid) == "cancelled"
+        resent = await env.scalar(
+            "SELECT count(*) FROM custody.history WHERE event = 'operation.cancel_resent'"
+        )
+        assert resent >= 1
+        effects = await env.scalar(
+            "SELECT count(*) FROM participant_inventory.reservations", participant=True
+        )
+        assert effects == 0  # cancelled before it ran: no reservation, never one twice
+    finally:
+        await fleet.stop_all()

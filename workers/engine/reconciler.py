@@ -30,6 +30,15 @@ class Reconciler:
         self.lease = lease
         self.policy = transitions.Operator(database, lease)
 
+    async def resend_cancels(self) -> int:
+        """Cancels left unanswered past their deadline are asked again (the operation
+        stays cancelling: silence is neither an answer nor a cancellation)."""
+        async with self.db.transaction(self.lease) as tx:
+            row = await tx.one(
+                "t_resend_cancels", {"actor": ACTOR, "limit": self.settings.batch_size}
+            )
+        return int(row["n"]) if row else 0
+
     async def sweep_queries(self) -> int:
         """Reconcile queries left unanswered past the deadline go back to
         outcome_unknown: silence is not an answer."""
@@ -138,6 +147,7 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
                 for sweep in (
                     rec.sweep_deadlines,
                     rec.sweep_queries,
+                    rec.resend_cancels,
                     rec.retry_due,
                     rec.reconcile_due,
                 ):
