@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
@@ -199,11 +200,21 @@ async def assert_history_follows_the_lifecycle(env: Env) -> int:
     """Walk every operation's history as the engine wrote it: each ``operation.<status>``
     event, from the status before it, is a transition of ``lifecycle.TRANSITIONS``, and
     the ``from`` it records is the status the operation was really in. Returns the
-    number of status changes checked."""
-    rows = await env.sql(
-        "SELECT operation_id::text, event, detail->>'from' FROM custody.history"
-        " WHERE operation_id IS NOT NULL AND event LIKE 'operation.%%' ORDER BY id"
-    )
+    number of status changes checked. History and rows are read in one snapshot: a
+    receipt applied between two reads would otherwise look like a row ahead of its
+    history."""
+    async with (
+        await psycopg.AsyncConnection.connect(env.settings.database_url) as conn,
+        conn.transaction(),
+    ):
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cur = await conn.execute(
+            "SELECT operation_id::text, event, detail->>'from' FROM custody.history"
+            " WHERE operation_id IS NOT NULL AND event LIKE 'operation.%' ORDER BY id"
+        )
+        rows = await cur.fetchall()
+        cur = await conn.execute("SELECT id::text, status::text FROM custody.operations")
+        final: dict[str, str] = {str(k): str(v) for k, v in await cur.fetchall()}
     current: dict[str, Status] = {}
     bad: list[str] = []
     checked = 0
@@ -220,7 +231,6 @@ async def assert_history_follows_the_lifecycle(env: Env) -> int:
         current[oid] = to
         checked += 1
     assert not bad, bad
-    final = dict(await env.sql("SELECT id::text, status::text FROM custody.operations"))
     for oid, status in current.items():
         assert final[oid] == status.value, f"{oid}: history ends {status}, row is {final[oid]}"
     return checked
