@@ -55,7 +55,7 @@ from contracts.models import (
     ReceiptError,
     SubmitCommand,
 )
-from workers.core import commands, lifecycle, validation
+from workers.core import acceptance, commands, lifecycle, validation
 from workers.core.lifecycle import IGNORE, TERMINAL, Effect, Event, InstanceStatus, Status
 from workers.core.validation import IssuedRequest, OperationView, Verdict
 from workers.participant import service
@@ -209,22 +209,9 @@ class ParticipantModel:
         return self._say(entry, c.request_id)
 
     def _query(self, q: QueryCommand) -> list[Message]:
-        receipt = self.latest(q.submit_request_id)
-        if receipt is not None and receipt.command_digest != q.digest:
-            receipt = None
-        answer = QueryAnswer(
-            answer_id=identity.answer_id(q.request_id, receipt.owner_revision if receipt else 0),
-            tenant=q.tenant,
-            operation_id=q.operation_id,
-            attempt=q.attempt,
-            request_id=q.submit_request_id,
-            in_reply_to=q.request_id,
-            owner=OWNER,
-            principal=PRINCIPAL,
-            receipt=receipt,
-            emitted_at=T0,
-        )
-        return [answer]
+        # the participant's real pure rule: its latest receipt for that command, if any
+        latest = self.latest(q.submit_request_id)
+        return [acceptance.query_answer(q, latest, owner=OWNER, principal=PRINCIPAL, now=T0)]
 
     def accepted(self) -> list[str]:
         return sorted(r for r, e in self.inbox.items() if e.status == "accepted")
