@@ -1,12 +1,14 @@
-"""CPU accounting: the utime + stime of every process on the machine, sampled from
-``/proc`` at the start and the end of a measured window, and the machine's own totals."""
+"""CPU and memory accounting: the utime + stime of every process on the machine, sampled
+from ``/proc`` at the start and the end of a measured window, the machine's own totals,
+and the peak resident memory of the processes a run is made of."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +19,31 @@ from bench.pg_activity import PgActivity
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of one process, in seconds (None once it is gone)."""
+def _proc_stat(pid: int) -> tuple[float, int] | None:
+    """utime + stime of one process, in seconds, and its parent's pid (None once it is
+    gone)."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK, int(fields[1])
+
+
+def _proc_mem_kib(pid: int) -> tuple[int, int] | None:
+    """VmHWM (the peak resident set since the process started) and VmRSS, in KiB."""
+    try:
+        raw = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in raw.splitlines():
+        if line.startswith(("VmHWM:", "VmRSS:")):
+            key, value = line.split(":", 1)
+            values[key] = int(value.split()[0])
+    if "VmRSS" not in values:
+        return None  # a kernel thread, or a zombie
+    return values.get("VmHWM", values["VmRSS"]), values["VmRSS"]
 
 
 def _comm(pid: int) -> str:
@@ -64,11 +83,19 @@ class MachineCpu:
         )
 
 
+@dataclass(frozen=True)
+class MemSample:
+    label: str
+    kib: int  # VmHWM for a process of this run (its peak), VmRSS for an older one
+    peak: bool  # True: kib is VmHWM, the process's whole life is this run's
+
+
 @dataclass
 class Snapshot:
     wall: float
     cpu: dict[int, tuple[str, float]]  # pid -> (label, CPU seconds so far)
     machine: MachineCpu
+    mem: dict[int, MemSample] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,11 +106,30 @@ class CpuRow:
 
 
 @dataclass
+class MemRow:
+    """The processes of one type (replicas and pool children folded together)."""
+
+    kind: str
+    group: str
+    processes: int
+    largest_kib: int  # the largest process's peak
+    total_kib: int  # the sum of every process's peak
+    peak: bool  # False: the resident set at the end of the window (a process older than
+    # the run, e.g. the broker, whose lifetime peak says nothing about this run)
+
+
+@dataclass
 class CpuWindow:
     seconds: float  # wall-clock length of the window
     rows: list[CpuRow]
     machine: MachineCpu
     activity: PgActivity | None = None
+    memory: list[MemRow] = field(default_factory=list)
+
+    def worker_rss_kib(self, groups: Sequence[str]) -> int:
+        """The sum of the peaks of this system's own processes (broker and database
+        excluded)."""
+        return sum(r.total_kib for r in self.memory if r.group in groups)
 
     @property
     def accounted(self) -> float:
@@ -97,10 +143,13 @@ class CpuWindow:
 
 class Probe:
     """Samples the CPU time of every process on the machine: the ones this run started
-    (labelled), the broker (beam.smp), the Postgres processes (labelled with the
-    ``application_name`` of the client they serve, when it is one of this run's
-    databases), and everything else by its command name, so that another workload on
-    the machine shows up instead of hiding in the figures."""
+    (labelled; their child processes, such as a prefork pool's, under the parent's
+    label with " (children)"), the broker (beam.smp), the Postgres processes (labelled
+    with the ``application_name`` of the client they serve, when it is one of this
+    run's databases), and everything else by its command name, so that another
+    workload on the machine shows up instead of hiding in the figures. Each snapshot
+    also reads the resident memory of this run's processes, the broker's and the
+    database's (``/proc/<pid>/status``)."""
 
     def __init__(
         self,
@@ -134,12 +183,15 @@ class Probe:
             )
         ).fetchall()
         names = {}
+        fresh = set()  # backends of this run: their whole life is this run's
         for pid, name, datname in rows:
             if datname is None or datname in self.databases or str(name).startswith("bench-"):
                 names[int(pid)] = f"postgres ← {name}"
+                if datname is not None:
+                    fresh.add(int(pid))
             else:
                 names[int(pid)] = f"other: postgres ← {name} (database {datname})"
-        return _snapshot(self.own, names)
+        return _snapshot(self.own, names, fresh)
 
     def window(self, start: Snapshot, end: Snapshot) -> CpuWindow:
         out: dict[str, CpuRow] = {}
@@ -151,9 +203,28 @@ class Probe:
             seconds=end.wall - start.wall,
             rows=sorted(out.values(), key=lambda r: -r.seconds),
             machine=end.machine - start.machine,
+            memory=self._memory(end),
         )
 
+    def _memory(self, end: Snapshot) -> list[MemRow]:
+        rows: dict[str, MemRow] = {}
+        for sample in end.mem.values():
+            group = self._group(sample.label)
+            if group == "other":
+                continue
+            kind = _kind(sample.label)
+            row = rows.get(kind)
+            if row is None:
+                rows[kind] = MemRow(kind, group, 1, sample.kib, sample.kib, sample.peak)
+            else:
+                row.processes += 1
+                row.largest_kib = max(row.largest_kib, sample.kib)
+                row.total_kib += sample.kib
+                row.peak = row.peak and sample.peak
+        return sorted(rows.values(), key=lambda r: -r.total_kib)
+
     def _group(self, label: str) -> str:
+        label = label.removesuffix(CHILDREN)
         if label in self.groups:
             return self.groups[label]
         for prefix in ("postgres", "rabbitmq", "other"):
@@ -162,26 +233,56 @@ class Probe:
         return "bench"
 
 
-def _snapshot(own: Mapping[str, int], pg_names: Mapping[int, str]) -> Snapshot:
+CHILDREN = " (children)"
+
+
+def _kind(label: str) -> str:
+    """A process type: the label without its replica number (``receipts-2`` → ``receipts``)."""
+    return re.sub(r"-\d+((?: \(children\))?)$", r"\1", label)
+
+
+def _snapshot(
+    own: Mapping[str, int], pg_names: Mapping[int, str], pg_fresh: set[int]
+) -> Snapshot:
     """Synchronous /proc reads (one sample takes a few milliseconds)."""
     wall = time.monotonic()
     label_of = {pid: label for label, pid in own.items()}
-    cpu: dict[int, tuple[str, float]] = {}
+    stats: dict[int, tuple[float, int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        used = _proc_cpu_s(pid)
-        if not used:
-            continue
+        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
+            stats[int(entry.name)] = stat
+    cpu: dict[int, tuple[str, float]] = {}
+    mem: dict[int, MemSample] = {}
+    for pid, (used, _ppid) in stats.items():
         comm = _comm(pid)
+        parent = _labelled_ancestor(pid, stats, label_of)
+        fresh = False
         if pid in label_of:
-            label = label_of[pid]
+            label, fresh = label_of[pid], True
+        elif parent is not None and comm not in ("postgres", "beam.smp"):
+            label, fresh = label_of[parent] + CHILDREN, True
         elif comm == "beam.smp":
             label = "rabbitmq (beam.smp)"
         elif comm == "postgres":
             label = pg_names.get(pid, "postgres: postmaster and others")
+            fresh = pid in pg_fresh
         else:
             label = "other: " + ("kworker" if comm.startswith("kworker") else comm)
-        cpu[pid] = (label, used)
-    return Snapshot(wall, cpu, MachineCpu.now())
+        if used:
+            cpu[pid] = (label, used)
+        if not label.startswith("other") and (kib := _proc_mem_kib(pid)) is not None:
+            mem[pid] = MemSample(label, kib[0] if fresh else kib[1], fresh)
+    return Snapshot(wall, cpu, MachineCpu.now(), mem)
+
+
+def _labelled_ancestor(
+    pid: int, stats: Mapping[int, tuple[float, int]], label_of: Mapping[int, str]
+) -> int | None:
+    """The nearest ancestor that this run started and labelled (a pool's parent)."""
+    seen = 0
+    while pid in stats and seen < 8:
+        pid = stats[pid][1]
+        if pid in label_of:
+            return pid
+        seen += 1
+    return None

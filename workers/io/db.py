@@ -81,6 +81,16 @@ def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseErr
     return cls(f"{type(exc).__name__}: {exc}".strip(), kind, sqlstate)
 
 
+def transient(exc: BaseException) -> bool:
+    """A Postgres error raised inside a transaction that says nothing about the work
+    (a deadlock, a serialization failure, a lock timeout, a lost connection): redoing
+    the same work later is expected to succeed."""
+    if not isinstance(exc, psycopg.Error):
+        return False
+    kind = errors.classify_sqlstate(getattr(exc, "sqlstate", None), during_commit=False)
+    return kind is errors.Retry.RETRY
+
+
 class Tx:
     """One open transaction; every statement is a named query."""
 

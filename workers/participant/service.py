@@ -5,8 +5,9 @@ It owns two commit boundaries in the participant's own database:
 * *acceptance*: a batch of commands is retained (inbox row with its identity and
   semantic digest, plus an ``accepted`` receipt in the participant's outbox) in one
   transaction; the deliveries are acked only after that commit;
-* *completion*: the business effect and the terminal receipt commit together, in one
-  transaction per command (the batch is only *claimed* together, in a short
+* *completion*: the business effect and the terminal receipt commit together; each
+  handler runs in a savepoint, and the handlers of a claimed batch share a
+  transaction up to a small time budget (the batch is *claimed* in a short
   transaction of its own: acceptance never waits behind a running handler).
 
 A repeated command with the same digest gets the existing receipt again (same id,
@@ -50,6 +51,14 @@ MAX_EXECUTIONS = acceptance.MAX_EXECUTIONS
 CANCEL_LOCK_TRIES = 3  # a cancel finding its row locked by a short transaction
 CANCEL_LOCK_RETRY_S = 0.02
 CLEANUP_EVERY_S = 60.0
+# handler time one executor transaction may gather before it commits: fast handlers
+# share a commit, a slow one holds back few receipts
+EXEC_TX_BUDGET_S = 0.05
+
+
+class _Conflict(Exception):
+    """A handler hit a transient database conflict: its savepoint is rolled back, and
+    the batch's transaction commits what ran before it."""
 
 
 @dataclass(frozen=True)
@@ -497,13 +506,19 @@ class Participant:
         """Run the handlers of a batch of accepted commands; returns how many it claimed.
 
         The batch is claimed in a short transaction that commits at once (a claim token
-        and an expiry, no lock kept), so acceptance never waits behind a handler. Each
-        handler then runs in its own transaction, which re-locks its row and re-checks
-        that it is still accepted and still ours (a cancel may have settled it since),
-        and commits the business effect together with the terminal receipt. The row
-        lock, held for the whole handler, is what keeps a command from executing twice
-        at once: claims skip locked rows, and a claim that expired (a crashed or slow
-        executor) is re-checked under the lock before anything runs again.
+        and an expiry, no lock kept), so acceptance never waits behind a handler. The
+        handlers then run in order, several to a transaction (up to
+        ``EXEC_TX_BUDGET_S`` of handler time each, so that one commit serves many fast
+        handlers and a slow one holds back few receipts). Each handler re-locks its
+        row just before it runs and re-checks that it is still accepted and still ours
+        (a cancel may have settled it since), runs in a savepoint, and its business
+        effect commits together with its terminal receipt; a handler that fails rolls
+        back its savepoint only. The row lock, held until that commit, is what keeps a
+        command from executing twice at once: claims skip locked rows, and a claim that
+        expired (a crashed or slow executor) is re-checked under the lock before
+        anything runs again. A transient database conflict in a handler (a deadlock
+        with another executor) ends the transaction early: what ran before it commits,
+        and the rest, still claimed by this executor, runs again at once.
         """
         async with self.db.transaction() as tx:
             claimed = await tx.rows(
@@ -514,24 +529,46 @@ class Participant:
                     "token": self._claim_token,
                 },
             )
-        for c in sorted(claimed, key=lambda r: (r["accepted_at"], r["request_id"])):
-            await self._execute_one(c["request_id"])
+        todo = [
+            c["request_id"]
+            for c in sorted(claimed, key=lambda r: (r["accepted_at"], r["request_id"]))
+        ]
+        while todo:
+            done, conflicted = await self._execute_some(todo)
+            todo = todo[done:]
+            if conflicted:
+                break  # the rest keep this executor's claim: the next batch retakes them
         return len(claimed)
 
-    async def _execute_one(self, request_id: str) -> None:
-        receipt: OperationReceipt | None = None
+    async def _execute_some(self, request_ids: Sequence[str]) -> tuple[int, bool]:
+        """One transaction over a prefix of ``request_ids``; returns how many of them it
+        settled (ran, deferred or skipped) and whether a transient conflict ended it."""
+        receipts: list[tuple[OperationReceipt, str | None]] = []
+        done = 0
+        conflicted = False
+        loop = asyncio.get_running_loop()
         async with self.db.transaction() as tx:
-            row = await tx.one(
-                "p_exec_lock", {"request_id": request_id, "token": self._claim_token}
-            )
-            if row is None:
-                return  # settled meanwhile (a cancel won), or another executor holds it now
-            receipt = await self._run_one(tx, row)
-            if receipt is not None:
-                trace = {request_id: row["traceparent"]} if row["traceparent"] else {}
-                await self._emit(tx, [receipt], trace=trace)
-        if receipt is not None:
+            began = loop.time()
+            for request_id in request_ids:
+                row = await tx.one(
+                    "p_exec_lock", {"request_id": request_id, "token": self._claim_token}
+                )
+                if row is not None:  # else settled meanwhile (a cancel won), or not ours
+                    try:
+                        receipt = await self._run_one(tx, row)
+                    except _Conflict:
+                        conflicted = True
+                        break
+                    if receipt is not None:
+                        receipts.append((receipt, row["traceparent"]))
+                done += 1
+                if loop.time() - began >= EXEC_TX_BUDGET_S:
+                    break
+            trace = {r.request_id: tp for r, tp in receipts if tp}
+            await self._emit(tx, [r for r, _ in receipts], trace=trace)
+        if receipts:
             faults.crash_point("after_effect_before_receipt_sent")
+        return done, conflicted
 
     async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:
         command = row["command"]
@@ -553,6 +590,15 @@ class Participant:
                 result = await handler(call)
                 faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
+            if db.transient(exc):
+                logs.event(
+                    "participant.handler_conflict",
+                    logging.WARNING,
+                    owner=self.me.owner,
+                    request_id=row["request_id"],
+                    error=repr(exc)[:300],
+                )
+                raise _Conflict from exc
             failure = exc
         done = acceptance.completion(result, failure, executions=row["executions"])
         if isinstance(done, acceptance.Deferred):
