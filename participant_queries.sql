@@ -144,6 +144,18 @@ UPDATE inbox
        claimed_until = NULL, claim_token = NULL
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
+-- name: p_outbox_supersede
+-- A receipt still waiting to be sent when a newer receipt of the same command commits
+-- (an ``accepted`` overtaken by the terminal one) is not sent: the newer one says
+-- everything it says. The journal (receipts) keeps it. A row a publisher holds right
+-- now (an unexpired claim) is left alone; a claim in progress holds the row's lock,
+-- and this statement, waiting for it, then sees the claim and skips the row.
+UPDATE outbox
+   SET status = 'published', published_at = now(),
+       last_error = 'superseded by receipt ' || %(by)s
+ WHERE id = %(id)s AND status = 'pending'
+   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp());
+
 -- Publisher: claim a batch in one transaction (mark and release: queries.sql's outbox_*) ---
 
 -- name: p_outbox_claim

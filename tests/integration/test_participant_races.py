@@ -597,3 +597,54 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
     # subtransaction id too: 39 handlers, 39 more); one transaction per handler would
     # take 2 ids each. The margin is for other writers of the cluster meanwhile.
     assert used <= len(cmds) + 15, f"{used} transaction ids for {len(cmds)} handlers"
+
+
+async def test_an_accepted_receipt_superseded_before_it_is_sent_is_not_sent(env: Env) -> None:
+    """ "Workflow separates the intent to execute an operation from transport
+    acceptance, participant acceptance and business completion. These facts may become
+    visible at different times." An ``accepted`` receipt still waiting in the outbox
+    when the terminal receipt commits says nothing the terminal one does not (its
+    owner revision is higher, and the engine takes a terminal receipt without the
+    accepted one: a lost ``accepted`` is ordinary). It is not sent — one broker message
+    and one receipt application less per operation under load — but it stays in the
+    participant's journal, so a query still sees the full history. An ``accepted``
+    receipt already sent or being sent is left alone."""
+    superseded, sent = submit(), submit()
+    seed_db = _database(env, "inventory-seed")
+    await seed_db.open()
+    try:
+        participant = service.Participant(
+            ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
+        )
+        async with _deliveries(env, [codec.encode(superseded), codec.encode(sent)]) as ds:
+            assert await participant.accept(ds) == ["accepted", "accepted"]
+        # the second one's accepted receipt went out before its handler ran
+        await env.sql(
+            f"UPDATE {SCHEMA}.outbox SET status = 'published', published_at = now() WHERE id = %s",
+            (identity.receipt_id(sent.request_id, 1),),
+            participant=True,
+        )
+        assert await participant.execute() == 2
+    finally:
+        await seed_db.close()
+    rows = {
+        str(r[0]): (r[1], r[2])
+        for r in await env.sql(
+            f"SELECT id, status, last_error FROM {SCHEMA}.outbox", participant=True
+        )
+    }
+    accepted_id = identity.receipt_id(superseded.request_id, 1)
+    assert rows[accepted_id][0] == "published", "superseded: never to be sent"
+    assert "superseded" in (rows[accepted_id][1] or "")
+    assert rows[identity.receipt_id(superseded.request_id, 2)] == ("pending", None)
+    assert rows[identity.receipt_id(sent.request_id, 1)] == ("published", None)
+    assert rows[identity.receipt_id(sent.request_id, 2)] == ("pending", None)
+    journal = await env.sql(
+        f"SELECT owner_revision FROM {SCHEMA}.receipts WHERE request_id = %s"
+        " ORDER BY owner_revision",
+        (superseded.request_id,),
+        participant=True,
+    )
+    assert [r[0] for r in journal] == [1, 2]
+    published = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=0.5)
+    assert published == [], "nothing is published by the executor itself"

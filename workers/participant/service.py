@@ -566,6 +566,17 @@ class Participant:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
             await self._emit(tx, [r for r, _ in receipts], trace=trace)
+            await tx.run_many(
+                "p_outbox_supersede",
+                [
+                    {
+                        "id": identity.receipt_id(r.request_id, r.owner_revision - 1),
+                        "by": r.receipt_id,
+                    }
+                    for r, _ in receipts
+                    if r.owner_revision > 1
+                ],
+            )
         if receipts:
             faults.crash_point("after_effect_before_receipt_sent")
         return done, conflicted
