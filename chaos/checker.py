@@ -37,6 +37,7 @@ from typing import Any, Final
 
 import psycopg
 
+from workers.core import amqp_url
 from workers.io import broker
 
 # effect table → (participant, operation name)
@@ -458,12 +459,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     management, vhost = args.management, "/"
     if args.amqp:
         vhost = broker.vhost_of(args.amqp)
-        if management is None:
-            parsed = urllib.parse.urlparse(args.amqp)
-            management = (
-                f"http://{parsed.username or 'guest'}:{parsed.password or 'guest'}"
-                f"@{parsed.hostname or '127.0.0.1'}:15672"
-            )
+        if management is None:  # every node of the URL, on the management port
+            parsed = amqp_url.parse(args.amqp)
+            quote = urllib.parse.quote
+            creds = f"{quote(parsed.user, safe='')}:{quote(parsed.password, safe='')}"
+            hosts = ",".join(f"{n.host or '127.0.0.1'}:15672" for n in parsed.nodes)
+            management = f"http://{creds}@{hosts}"
     f = check(
         args.engine_dsn, args.participant_dsn, management_url=management, vhost=vhost, starts=starts
     )

@@ -269,14 +269,25 @@ class World:
             pg = self.services.engine_pg if f.target == "engine" else self.services.part_pg
             await pg.crash_restart(float(f.params["down_s"]))
 
+    def proxy(self, target: str) -> FaultProxy:
+        """The proxy a fault aims at: ``amqp`` is one node's proxy in a cluster (``amqp-1``,
+        ``amqp-2``, ...; drawn from the run's rng), so the workers on that node move to
+        another one; the harness's own way in is never a target."""
+        if target in self.proxies:
+            return self.proxies[target]
+        nodes = sorted(n for n in self.proxies if n.startswith(f"{target}-"))
+        if not nodes:
+            raise RuntimeError(f"no proxy {target!r}")
+        return self.proxies[self.rng.choice(nodes)]
+
     async def do_proxy_cut(self, f: Fault) -> None:
-        self.proxies[f.target].cut(float(f.params["refuse_s"]))
+        self.proxy(f.target).cut(float(f.params["refuse_s"]))
 
     async def do_proxy_stall(self, f: Fault) -> None:
-        await self.proxies[f.target].stall(float(f.params["stall_s"]))
+        await self.proxy(f.target).stall(float(f.params["stall_s"]))
 
     async def do_proxy_slow(self, f: Fault) -> None:
-        self.proxies[f.target].slow(float(f.params["for_s"]), float(f.params["delay_s"]))
+        self.proxy(f.target).slow(float(f.params["for_s"]), float(f.params["delay_s"]))
 
     # -- the broker's queues: duplicates, reordering, dropped and late replies --------
 

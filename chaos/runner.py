@@ -26,6 +26,7 @@ from chaos import checker, schedule, workload
 from chaos.faults import World, user_url
 from chaos.proxy import FaultProxy
 from chaos.services import Services, run
+from workers.core import amqp_url
 from workers.harness.fleet import DEV_PASSWORD, Fleet
 from workers.settings import ROOT
 
@@ -155,10 +156,12 @@ async def run_chaos(cfg: Config) -> int:
         t = time.monotonic()
         await services.start()
         p = cfg.base_port
+        # the workers reach each RabbitMQ node through a fault proxy of its own, and are
+        # given every node's address (CUSTODY_AMQP_URL's host list): no load balancer
+        # between them and the cluster, they move to another node when theirs goes away
+        node_proxies = amqp_proxies(services, p)
         proxies = {
-            "amqp": FaultProxy(
-                "amqp", p + 51, [("127.0.0.1", n.amqp_port) for n in services.rabbits]
-            ),
+            **node_proxies,
             "pg-engine": FaultProxy("pg-engine", p + 52, [("127.0.0.1", services.engine_pg.port)]),
             "pg-participants": FaultProxy(
                 "pg-participants", p + 53, [("127.0.0.1", services.part_pg.port)]
@@ -168,6 +171,11 @@ async def run_chaos(cfg: Config) -> int:
             proxies["harness-amqp"] = FaultProxy(
                 "harness-amqp", p + 54, [("127.0.0.1", n.amqp_port) for n in services.rabbits]
             )
+        fleet_amqp = str(
+            amqp_url.parse("amqp://guest:guest@127.0.0.1/%2F").with_addresses(
+                [f"127.0.0.1:{x.listen_port}" for x in node_proxies.values()]
+            )
+        )
         for proxy in proxies.values():
             await proxy.start()
         engine_dsn = services.engine_pg.dsn("custody")
@@ -203,7 +211,8 @@ async def run_chaos(cfg: Config) -> int:
             f"  services: Postgres :{services.engine_pg.port} (engine),"
             f" :{services.part_pg.port} (participants), RabbitMQ"
             f" {', '.join(f'{n.node} :{n.amqp_port}' for n in services.rabbits)};"
-            f" fault proxies :{p + 51} :{p + 52} :{p + 53}; ready in {time.monotonic() - t:.0f}s"
+            f" fault proxies {', '.join(f'{n} :{x.listen_port}' for n, x in proxies.items())};"
+            f" ready in {time.monotonic() - t:.0f}s"
         )
         fleet_env = {
             **common,
@@ -211,7 +220,7 @@ async def run_chaos(cfg: Config) -> int:
             "CUSTODY_PARTICIPANT_DATABASE_URL": (
                 f"postgresql://postgres@127.0.0.1:{p + 53}/custody_participants"
             ),
-            "CUSTODY_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{p + 51}/%2F",
+            "CUSTODY_AMQP_URL": fleet_amqp,
             "CUSTODY_POLL_INTERVAL_S": "0.5",
             "CUSTODY_LEASE_TTL_S": str(cfg.lease_ttl_s),
             "CUSTODY_CONFIRM_TIMEOUT_S": "5",
@@ -427,6 +436,21 @@ async def run_chaos(cfg: Config) -> int:
             if code == 0:  # the evidence is the report and the logs; data only if it failed
                 await asyncio.to_thread(shutil.rmtree, work / "svc", True)
     return code
+
+
+def amqp_proxies(services: Services, base_port: int) -> dict[str, FaultProxy]:
+    """One fault proxy per RabbitMQ node: ``amqp`` (port base + 51) for a single node;
+    ``amqp-1``, ``amqp-2``, ... for a cluster (base + 51, then base + 55 onwards). A
+    fault the schedule aims at ``amqp`` hits one node's proxy (``World.proxy``)."""
+    nodes = services.rabbits
+    if len(nodes) == 1:
+        return {"amqp": FaultProxy("amqp", base_port + 51, [("127.0.0.1", nodes[0].amqp_port)])}
+    out = {}
+    for i, node in enumerate(nodes):
+        name = f"amqp-{i + 1}"
+        port = base_port + (51 if i == 0 else 54 + i)
+        out[name] = FaultProxy(name, port, [("127.0.0.1", node.amqp_port)])
+    return out
 
 
 async def _safe_snapshot(engine_dsn: str, part_dsn: str) -> dict[str, Any]:

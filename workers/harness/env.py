@@ -3,10 +3,10 @@ database or a vhost of their own, a fresh database, and the counts a run is judg
 
 from __future__ import annotations
 
-import urllib.parse
 from typing import Any
 
 from participants import samples
+from workers.core import amqp_url
 from workers.io import db
 
 
@@ -15,16 +15,11 @@ def with_db(url: str, name: str) -> str:
 
 
 def with_vhost(url: str, vhost: str, user: str | None = None, password: str | None = None) -> str:
-    parsed = urllib.parse.urlparse(url)
-    netloc = parsed.hostname or "127.0.0.1"
-    if parsed.port:
-        netloc += f":{parsed.port}"
-    user = user or urllib.parse.unquote(parsed.username or "guest")
-    password = password or urllib.parse.unquote(parsed.password or "guest")
-    creds = f"{urllib.parse.quote(user)}:{urllib.parse.quote(password)}@"
-    return parsed._replace(
-        netloc=creds + netloc, path="/" + urllib.parse.quote(vhost, safe="")
-    ).geturl()
+    """The same broker URL (one node or several) for another vhost, and optionally as
+    another user (the URL's own, or guest, otherwise)."""
+    parsed = amqp_url.parse(url)
+    parsed = parsed.with_user(user or parsed.user, password or parsed.password)
+    return str(parsed.with_vhost(vhost))
 
 
 async def reset_database(url: str) -> None:

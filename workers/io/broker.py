@@ -5,6 +5,10 @@ Publishing counts only a broker confirm: channels are opened with
 ``publisher_confirms=True, on_return_raises=True``, every publish is ``mandatory``
 and carries ``message_id``, so an unroutable message is a failure, not a success
 (aio-pika 10.2.1 on a default confirm channel returns normally on a return).
+
+The URL may name several nodes of one cluster (``workers.core.amqp_url``): the robust
+connection tries them in turn, in an order of its own process, on the first connect
+and on every reconnect (:class:`NodesConnection`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import base64
 import contextlib
 import inspect
 import json
+import logging
+import random
 import re
 import ssl
 import urllib.error
@@ -34,12 +40,13 @@ from aio_pika.abc import (
     DeliveryMode,
 )
 from pamqp import commands as spec
+from yarl import URL
 
 from contracts import codec
 from contracts.models import StartRequest
 from workers import errors
-from workers.core import commands
-from workers.io import amqp_frames
+from workers.core import amqp_url, backoff, commands
+from workers.io import amqp_frames, startup
 from workers.settings import Settings
 
 # pamqp decodes short strings strictly and aiormq closes the connection on any decode
@@ -58,7 +65,8 @@ START_KEY: Final = "start"
 CANCEL_KEY: Final = "cancel"
 UNDECODABLE: Final = "undecodable_properties"
 POLICY_NAME: Final = "custody-queues"
-RECONNECT_INTERVAL_S: Final = 1.0
+RECONNECT_INTERVAL_S: Final = 1.0  # the pause between two attempts, before any backoff
+CONNECT_TIMEOUT_S: Final = 10.0  # one attempt (TCP, TLS, AMQP handshake) on one node
 POLICY_PATTERN: Final = r"^custody\.(commands\..+|receipts|requests)$"
 
 
@@ -260,36 +268,198 @@ class Tls:
         return context
 
 
+def refusal(exc: BaseException, *, user: str = "", node: str = "") -> str | None:
+    """Why a connection attempt failed for good, if it did: a refused login (ACCESS_REFUSED,
+    or no authentication mechanism in common) or a broker certificate the client does not
+    trust. These are configuration, so start-up does not retry them; anything else
+    (refused, reset or timed-out connections, a node or vhost still starting) is an
+    outage, waited out."""
+    at = f" at {node}" if node else ""
+    if isinstance(
+        exc,
+        (aiormq.exceptions.ProbableAuthenticationError, aiormq.exceptions.AuthenticationError),
+    ):
+        return (
+            f"RabbitMQ{at} refused the login of {user or 'the user'!r} ({exc}):"
+            " check the user and password in CUSTODY_AMQP_URL; not retried"
+        )
+    seen: BaseException | None = exc
+    chain: set[int] = set()
+    while seen is not None and id(seen) not in chain:  # causes and contexts may loop
+        chain.add(id(seen))
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            reason = getattr(seen, "verify_message", None) or seen
+            return (
+                f"the TLS certificate of RabbitMQ{at} was not verified ({reason}): check"
+                " CUSTODY_AMQP_TLS_CA_FILE and the host names in CUSTODY_AMQP_URL; not retried"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# aio-pika's robust connection re-opens channels, restores QoS, queues and consumers after
+# every reconnect, but only to its one URL; the broker keeps all of that and chooses the
+# node of each transport attempt, overriding the connection's (private) transport step.
+# aio-pika is pinned (pyproject.toml); an aio-pika without the step fails here, at import.
+_TRANSPORT_STEP: Final = "_RobustConnection__connect_transport"
+if not callable(getattr(aio_pika.RobustConnection, _TRANSPORT_STEP, None)):
+    raise ImportError(f"aio-pika {aio_pika.__version__}: RobustConnection has no {_TRANSPORT_STEP}")
+
+
+class NodesConnection(aio_pika.RobustConnection):
+    """aio-pika's robust connection over the nodes of a host list.
+
+    Each transport attempt (the first connect and every reconnect) goes to the next node
+    of the list, which the process shuffled: after a failure the next node is tried at
+    once, and a round in which every node failed waits a full-jitter backoff
+    (``workers.core.backoff``), on top of the connection's reconnect interval. Each
+    attempt is reported (``broker.connect_retry``, ``broker.connected``) to the
+    :class:`startup.Patience` in force when it was made, with the node's address and
+    never its credentials. At start-up a refused login gives up at once (:func:`refusal`);
+    a command gives up once every node failed; a worker keeps trying (``gave_up``
+    stays pending)."""
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        worker: str,
+        user: str,
+        patience: startup.Patience,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(URL(nodes[0]), **kwargs)
+        self._nodes = [(URL(n), amqp_url.parse(n).nodes[0].address) for n in nodes]
+        self._turn = 0
+        self._failures = 0  # consecutive failed attempts
+        self._delay = 0.0  # before the next attempt
+        self._errors: dict[str, str] = {}  # node -> why its last attempt failed
+        self._worker = worker
+        self._user = user
+        self._patience = patience
+        self.node = ""  # the node the connection is on (or was on last)
+        self.ever_connected = False
+        self.gave_up: asyncio.Future[errors.CustodyError] = self.loop.create_future()
+
+    async def _RobustConnection__connect_transport(self) -> None:  # noqa: N802 (aio-pika's)
+        if self._delay:
+            await asyncio.sleep(self._delay)
+        url, node = self._nodes[self._turn % len(self._nodes)]
+        self._turn += 1
+        self.url = url
+        try:
+            await getattr(super(), _TRANSPORT_STEP)()
+        except Exception as exc:
+            self._failed(node, exc)
+            raise
+        self._patience.report(
+            "broker.connected",
+            worker=self._worker,
+            node=node,
+            phase="reconnect" if self.ever_connected else "start",
+            failed_attempts=self._failures,
+        )
+        self.node, self.ever_connected = node, True
+        self._failures, self._delay = 0, 0.0
+        self._errors.clear()
+
+    def _failed(self, node: str, exc: BaseException) -> None:
+        self._failures += 1
+        why = _why(exc)
+        self._errors[node] = why
+        starting = not self.ever_connected
+        refused = refusal(exc, user=self._user, node=node) if starting else None
+        if refused is not None:
+            self._give_up(errors.ConfigError(refused))
+            return
+        if starting and not self._patience.wait and self._failures >= len(self._nodes):
+            if len(self._nodes) == 1:
+                detail = str(exc) or why
+            else:
+                tried = "; ".join(f"{n}: {e}" for n, e in self._errors.items())
+                detail = f"every node failed: {tried}"
+            self._give_up(
+                errors.BrokerError(f"cannot connect to RabbitMQ: {detail}", errors.Retry.RETRY)
+            )
+            return
+        self._delay = backoff.before_attempt(self._failures, nodes=len(self._nodes))
+        if starting and self._patience.wait:
+            self._patience.waiting["broker"] = f"{node}: {why}"[:300]
+        self._patience.report(
+            "broker.connect_retry",
+            logging.WARNING,
+            worker=self._worker,
+            node=node,
+            phase="start" if starting else "reconnect",
+            attempt=self._failures,
+            retry_in_s=round(self._delay + float(self.reconnect_interval), 3),
+            error=why[:300],
+        )
+
+    def _give_up(self, error: errors.CustodyError) -> None:
+        if not self.gave_up.done():
+            self.gave_up.set_result(error)
+
+
+_NODE_ORDER: Final = random.SystemRandom()
+
+
 class Broker:
-    """A robust connection; channels for consuming and for confirmed publishing."""
+    """A robust connection (to one node, or to one node of a list at a time); channels
+    for consuming and for confirmed publishing."""
 
     def __init__(self, url: str, name: str, tls: Tls | None = None) -> None:
         self.url = url
         self.name = name
         self.tls = tls
-        self._conn: AbstractRobustConnection | None = None
+        self._conn: NodesConnection | None = None
 
     async def connect(self) -> None:
+        """Connect to one node of the URL. In a worker (``supervisor.run``) this waits
+        for as long as the broker is unreachable; elsewhere it fails after one attempt
+        per node. A refused login fails at once, everywhere (a :class:`ConfigError`)."""
+        address = amqp_url.parse(self.url)
         context = self.tls.context() if self.tls and self.tls.enabled else None
-        if context is not None and not self.url.startswith("amqps://"):
+        if context is not None and address.scheme != "amqps":
             raise errors.ConfigError(
                 "TLS files are configured, but CUSTODY_AMQP_URL is not amqps://"
             )
         # a lost connection is restored within a second (aio-pika's default is 5 s); the
         # URL's own ``reconnect_interval`` wins
-        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.url).query)
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(address.node_urls()[0]).query)
         interval = None if "reconnect_interval" in query else RECONNECT_INTERVAL_S
-        try:
-            self._conn = await aio_pika.connect_robust(
-                self.url,
-                client_properties={"connection_name": f"custody-{self.name}"},
-                ssl_context=context,
-                reconnect_interval=interval,
-            )
-        except (aiormq.exceptions.AMQPError, OSError) as exc:
-            raise errors.BrokerError(
-                f"cannot connect to RabbitMQ: {exc}", errors.Retry.RETRY
-            ) from exc
+        patience = startup.current()
+        conn = NodesConnection(
+            address.shuffled(_NODE_ORDER),
+            worker=self.name,
+            user=address.user,
+            patience=patience,
+            client_properties={"connection_name": f"custody-{self.name}"},
+            ssl_context=context,
+            reconnect_interval=interval,
+            fail_fast=False,
+        )
+        waiting = patience.waiting_for("broker") if patience.wait else contextlib.nullcontext()
+        with waiting:
+            connecting = asyncio.ensure_future(conn.connect(timeout=CONNECT_TIMEOUT_S))
+            either: set[asyncio.Future[Any]] = {connecting, conn.gave_up}
+            try:
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if conn.gave_up.done():
+                    raise conn.gave_up.result()
+                await connecting
+            except BaseException:
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await conn.close()
+                raise
+        self._conn = conn
 
     @property
     def connected(self) -> bool:
@@ -298,6 +468,11 @@ class Broker:
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
+
+    @property
+    def node(self) -> str:
+        """The node (``host:port``) the connection is on, or was on last."""
+        return "" if self._conn is None else self._conn.node
 
     def _connection(self) -> AbstractRobustConnection:
         if self._conn is None:
@@ -509,23 +684,17 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
     return users
 
 
-def url_with_user(amqp_url: str, user: str, password: str) -> str:
-    """The same broker URL (host, vhost, options), as another user."""
-    parsed = urllib.parse.urlparse(amqp_url)
-    host = parsed.hostname or "127.0.0.1"
-    netloc = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@{host}"
-    if parsed.port:
-        netloc += f":{parsed.port}"
-    return parsed._replace(netloc=netloc).geturl()
+def url_with_user(url: str, user: str, password: str) -> str:
+    """The same broker URL (every node, vhost, options), as another user."""
+    return str(amqp_url.parse(url).with_user(user, password))
 
 
-def vhost_of(amqp_url: str) -> str:
-    path = urllib.parse.urlparse(amqp_url).path
-    return urllib.parse.unquote(path[1:]) if len(path) > 1 else "/"
+def vhost_of(url: str) -> str:
+    return amqp_url.parse(url).vhost
 
 
-def user_of(amqp_url: str) -> str:
-    return urllib.parse.unquote(urllib.parse.urlparse(amqp_url).username or "guest")
+def user_of(url: str) -> str:
+    return amqp_url.parse(url).user
 
 
 def _q(value: str) -> str:
@@ -533,35 +702,34 @@ def _q(value: str) -> str:
 
 
 async def management(base_url: str, method: str, path: str, body: Any = None) -> Any:
-    """Call the RabbitMQ management HTTP API (policies, vhosts, users, queue depths)."""
+    """Call the RabbitMQ management HTTP API (policies, vhosts, users, queue depths). A
+    URL with several nodes (``http://u:p@h1:15672,h2:15672``) is tried node by node until
+    one answers: any node of a cluster answers for all of it."""
+    bases = amqp_url.management_bases(base_url)
 
     def call() -> Any:
-        parsed = urllib.parse.urlparse(base_url)
-        netloc = parsed.hostname or "127.0.0.1"
-        if parsed.port:
-            netloc += f":{parsed.port}"
-        url = f"{parsed.scheme}://{netloc}{path}"
+        unreachable = []
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method)
-        user = urllib.parse.unquote(parsed.username or "guest")
-        password = urllib.parse.unquote(parsed.password or "guest")
-        token = base64.b64encode(f"{user}:{password}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-        request.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise errors.BrokerError(
-                f"management {method} {path}: HTTP {exc.code} {detail}", errors.Retry.FATAL
-            ) from exc
-        except OSError as exc:
-            raise errors.BrokerError(
-                f"management API at {parsed.hostname}:{parsed.port} unreachable: {exc}",
-                errors.Retry.RETRY,
-            ) from exc
-        return json.loads(raw) if raw else None
+        for base, user, password in bases:
+            request = urllib.request.Request(f"{base}{path}", data=data, method=method)
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
+            request.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    raw = response.read()
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode(errors="replace")[:500]
+                raise errors.BrokerError(
+                    f"management {method} {path}: HTTP {exc.code} {detail}", errors.Retry.FATAL
+                ) from exc
+            except OSError as exc:
+                unreachable.append(f"{base}: {exc}")
+                continue
+            return json.loads(raw) if raw else None
+        raise errors.BrokerError(
+            f"management API unreachable: {'; '.join(unreachable)}", errors.Retry.RETRY
+        )
 
     return await asyncio.to_thread(call)
 

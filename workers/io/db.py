@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, LiteralString
+from typing import TYPE_CHECKING, Any, Final, LiteralString
 
 import orjson
 import psycopg
@@ -29,7 +31,9 @@ from psycopg.types.json import Jsonb, set_json_dumps
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
+from workers.core import backoff
 from workers.io import sql as sql_files
+from workers.io import startup
 
 Row = dict[str, Any]
 Params = Mapping[str, Any] | Sequence[Any] | None
@@ -144,6 +148,24 @@ class Lease:
     ttl_s: float = 15.0
 
 
+# libpq says why a connection failed in words only (no SQLSTATE): these server answers
+# are a login refused for good (a wrong password, a role or database that does not
+# exist, no pg_hba entry, a role without LOGIN). Anything else (refused, reset, timed
+# out, the server starting up or out of connection slots) is an outage, waited out.
+_LOGIN_REFUSED: Final = re.compile(
+    r"FATAL:\s+(password authentication failed|role \".*\" does not exist"
+    r"|database \".*\" does not exist|no pg_hba\.conf entry|role \".*\" is not permitted"
+    r"|pg_hba\.conf rejects connection|certificate authentication failed)",
+    re.IGNORECASE,
+)
+PROBE_TIMEOUT_S: Final = 5
+
+
+def login_refused(message: str) -> bool:
+    """Whether a failed connection's message is Postgres refusing the login for good."""
+    return _LOGIN_REFUSED.search(message) is not None
+
+
 class Database:
     """A pool of connections whose ``search_path`` is the owner's schema."""
 
@@ -154,8 +176,13 @@ class Database:
         self.schema = schema
         self.name = name
         self.healthy = False  # /readyz: the last transaction reached the database
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Row]] = AsyncConnectionPool(
-            url,
+        self._sizes = (min_size, max_size)
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Row]]:
+        min_size, max_size = self._sizes
+        return AsyncConnectionPool(
+            self.url,
             connection_class=psycopg.AsyncConnection[Row],
             min_size=min_size,
             max_size=max_size,
@@ -163,15 +190,73 @@ class Database:
             kwargs={
                 "row_factory": dict_row,
                 "autocommit": False,
-                "application_name": f"custody-{name}",
-                "options": f"-c search_path={schema},public",
+                "application_name": f"custody-{self.name}",
+                "options": f"-c search_path={self.schema},public",
             },
-            name=f"custody-{name}",
+            name=f"custody-{self.name}",
             configure=_configure,
         )
 
     async def open(self) -> None:
+        """Open the pool, after one probe connection that says at once why Postgres
+        cannot be reached. In a worker (``supervisor.run``) an unreachable Postgres is
+        waited for, with a full-jitter backoff and a ``database.connect_retry`` event per
+        attempt; elsewhere the first failure is raised (``Retry.RETRY``). A refused login
+        (see :func:`login_refused`) is a :class:`ConfigError` at once, everywhere."""
         sql_files.queries()  # a missing or broken SQL file stops a worker at start-up
+        patience = startup.current()
+        waiting = patience.waiting_for("database") if patience.wait else contextlib.nullcontext()
+        attempt = 0
+        with waiting:
+            while True:
+                try:
+                    await self._probe()
+                    await self._open_pool()
+                    break
+                except errors.DatabaseError as exc:
+                    if exc.kind is not errors.Retry.RETRY or not patience.wait:
+                        raise
+                    self._pool = self._new_pool()  # a pool that timed out is closed for good
+                    delay = backoff.full_jitter(attempt)
+                    attempt += 1
+                    patience.waiting["database"] = str(exc)[:300]
+                    patience.report(
+                        "database.connect_retry",
+                        logging.WARNING,
+                        worker=self.name,
+                        node=_address(self.url),
+                        phase="start",
+                        attempt=attempt,
+                        retry_in_s=round(delay, 3),
+                        error=str(exc)[:300],
+                    )
+                    await asyncio.sleep(delay)
+        patience.report(
+            "database.connected",
+            worker=self.name,
+            node=_address(self.url),
+            phase="start",
+            failed_attempts=attempt,
+        )
+
+    async def _probe(self) -> None:
+        """One connection, as the pool would make it: says at once why it cannot."""
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, connect_timeout=PROBE_TIMEOUT_S)
+        except psycopg.Error as exc:
+            text = str(exc).strip()
+            if login_refused(text):
+                raise errors.ConfigError(
+                    f"Postgres refused the login for {self.name} ({_last_line(text)}):"
+                    " check the user, password and database of its URL; not retried"
+                ) from exc
+            raise errors.DatabaseError(
+                f"cannot connect to Postgres for {self.name}: {_last_line(text)}",
+                errors.Retry.RETRY,
+            ) from exc
+        await conn.close()
+
+    async def _open_pool(self) -> None:
         try:
             await self._pool.open(wait=True, timeout=15)
             self.healthy = True
@@ -395,6 +480,20 @@ async def sync_operators(
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc
     return OperatorLogins(members, created, without)
+
+
+def _last_line(text: str) -> str:
+    """libpq's message without its "connection to server at ... failed:" preamble."""
+    return text.rsplit("failed: ", 1)[-1].strip()
+
+
+def _address(url: str) -> str:
+    """``host:port`` of a connection string (never its password), for events."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.Error:
+        return "?"
+    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}"
 
 
 def with_dbname(url: str, name: str) -> str:

@@ -76,6 +76,9 @@ def setup_logging(fmt: str, level: int = logging.INFO) -> None:
     root.setLevel(level)
     for noisy in ("aio_pika", "aiormq", "psycopg.pool"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # every connection attempt is custody's own event (broker.connect_retry, with the
+    # node and the real delay); aio-pika's warning about the same attempt only repeats it
+    logging.getLogger("aio_pika.robust_connection").setLevel(logging.ERROR)
 
 
 def event(name: str, level: int = logging.INFO, **fields: Any) -> None:

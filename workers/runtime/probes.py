@@ -1,5 +1,6 @@
 """What a worker serves on its port: ``/metrics``, ``/healthz`` (the process is alive:
-no dependency checked) and ``/readyz`` (its connections are up)."""
+no dependency checked) and ``/readyz`` (its connections are up, and start-up is not
+waiting for one)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
 class Health:
-    """What /readyz reports: every named check must be true."""
+    """What /readyz reports: every named check must be true, and start-up must not be
+    waiting for a dependency (``waiting``: what it waits for, and the last reason; the
+    supervisor shares it with the connections' ``startup.Patience``)."""
 
     def __init__(self) -> None:
         self.checks: dict[str, Callable[[], bool]] = {}
+        self.waiting: dict[str, str] = {}
 
     def ready(self) -> tuple[bool, dict[str, bool]]:
         states = {}
@@ -23,7 +27,17 @@ class Health:
                 states[name] = bool(check())
             except Exception:
                 states[name] = False
-        return bool(states) and all(states.values()), states
+        return bool(states) and all(states.values()) and not self.waiting, states
+
+    def body(self) -> dict[str, object]:
+        """The JSON of /readyz: ``ready``, each check, and ``waiting`` while start-up
+        waits (``{"ready": false, "waiting": {"broker": "127.0.0.1:5672: ..."}}``)."""
+        ok, states = self.ready()
+        out: dict[str, object] = {"ready": ok, **states}
+        waiting = dict(self.waiting)
+        if waiting:
+            out["waiting"] = waiting
+        return out
 
 
 async def serve(port: int, health: Health) -> asyncio.Server:
@@ -38,9 +52,9 @@ async def serve(port: int, health: Health) -> asyncio.Server:
             elif path == "/healthz":
                 status, ctype, body = "200 OK", "application/json", b'{"status":"alive"}'
             elif path == "/readyz":
-                ok, states = health.ready()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "application/json", json.dumps({"ready": ok, **states}).encode()
+                shown = health.body()
+                status = "200 OK" if shown["ready"] is True else "503 Service Unavailable"
+                ctype, body = "application/json", json.dumps(shown).encode()
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found"
             writer.write(

@@ -5,6 +5,12 @@ what is in flight within the grace period, and exits 0. A side task that dies
 (heartbeat, consumer, metrics server) stops the whole worker with a non-zero exit.
 It serves ``/metrics``, ``/healthz`` (the process is alive: no dependency checked)
 and ``/readyz`` (its connections are up) when a port is configured.
+
+A worker waits for its broker and database at start-up (``workers.io.startup``): its
+task runs under a waiting ``Patience``, whose connection events are logged
+(``broker.connect_retry``, ``database.connect_retry``, ``broker.connected``, ...) and
+whose ``waiting`` /readyz shows. A stop while start-up waits ends the worker at once
+(exit 0): nothing is in flight yet.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from workers import errors
+from workers.io import startup
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -47,21 +54,22 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     """Run one worker until SIGTERM/SIGINT; returns the process exit code."""
     stop = Stop(grace_s)
     health = Health()
+    patience = startup.Patience(wait=True, report=event, waiting=health.waiting)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
     server = await serve(metrics_port, health) if metrics_port else None
     event("worker.started", worker=name, metrics_port=metrics_port)
     started = time.monotonic()
-    task = asyncio.create_task(main(stop, health), name=name)
+    with startup.patient(patience):  # the worker's task (and its tasks) wait at start-up
+        task = asyncio.create_task(main(stop, health), name=name)
     stopper = asyncio.create_task(stop.event.wait())
     code = 0
     try:
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             event("worker.draining", worker=name, grace_s=grace_s)
-            done, _ = await asyncio.wait({task}, timeout=grace_s)
-            if not done:
+            if not await _drain(name, task, patience, grace_s):
                 event("worker.drain_timeout", logging.ERROR, worker=name)
                 task.cancel()
                 code = 3
@@ -80,6 +88,26 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
         "worker.stopped", worker=name, exit_code=code, uptime_s=round(time.monotonic() - started, 3)
     )
     return code
+
+
+async def _drain(
+    name: str, task: asyncio.Task[None], patience: startup.Patience, grace_s: float
+) -> bool:
+    """Wait up to ``grace_s`` for a stopping worker's task; True if it ended in time. A
+    worker that is (or gets) stuck connecting at start-up has begun no unit of work:
+    there is nothing to drain, so it is cancelled at once."""
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while not task.done():
+        if patience.waiting:
+            event("worker.stopped_waiting", worker=name, waiting=sorted(patience.waiting))
+            task.cancel()
+            await asyncio.wait({task})
+            return True
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        await asyncio.wait({task}, timeout=min(left, 0.1))
+    return True
 
 
 async def supervise(main: Sequence[Awaitable[None]], side: Sequence[Awaitable[None]] = ()) -> None:
