@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-
 from contracts import codec, identity
 from contracts.models import (
     CancelCommand,
@@ -303,17 +301,24 @@ class Participant:
         rows = await tx.rows(
             "p_inbox_accept",
             {
-                "request_id": [c.request_id for c in offered],
-                "tenant": [c.tenant for c in offered],
-                "operation_id": [c.operation_id for c in offered],
-                "attempt": [c.attempt for c in offered],
-                "operation": [c.operation for c in offered],
-                "digest": [c.digest for c in offered],
-                "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c in offered],
-                "status": [acceptance.admission(c, self.handlers)[0].value for c in offered],
-                "effect": ["none" for _ in offered],
-                "owner_revision": [1 for _ in offered],
-                "traceparent": [trace.get(c.request_id) for c in offered],
+                "rows": db.jsonb(
+                    [
+                        {
+                            "request_id": c.request_id,
+                            "tenant": c.tenant,
+                            "operation_id": c.operation_id,
+                            "attempt": c.attempt,
+                            "operation": c.operation,
+                            "digest": c.digest,
+                            "command": c.model_dump(mode="json"),
+                            "status": acceptance.admission(c, self.handlers)[0].value,
+                            "effect": "none",
+                            "owner_revision": 1,
+                            "traceparent": trace.get(c.request_id),
+                        }
+                        for c in offered
+                    ]
+                )
             },
         )
         return {r["request_id"] for r in rows}
