@@ -340,6 +340,14 @@ SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';
 -- name: operations_by_status
 SELECT status::text, count(*) AS n FROM operations GROUP BY status;
 
+-- name: operations_open_by_status
+-- The reconciler's gauge on every poll: the live operations only, through their
+-- partial index (the same predicate as operations_open); the settled ones are counted
+-- far less often (operations_by_status), as their table only grows.
+SELECT status::text, count(*) AS n FROM operations
+ WHERE status NOT IN ('succeeded', 'failed', 'cancelled')
+ GROUP BY status;
+
 -- Retention (the reconciler, custody retention): bounded deletes, one transaction each ----
 
 -- name: retention_receipts
