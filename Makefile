@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install services demo test test-unit test-tools lint bench schemas clean chaos soak \
 	chaos-cluster chaos-selftest chaos-tools
@@ -66,7 +67,13 @@ chaos-cluster: install chaos-tools
 chaos-selftest: install chaos-tools
 	CUSTODY_CHAOS_SELFTEST=1 $(BIN)/pytest tests/chaos -m chaos_selftest
 
-bench: install services
+# The peers the bench runs beside custody (Celery, pgqueuer): the optional extra `bench`,
+# installed once, and again after pyproject.toml changes (through $(STAMP)).
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: install $(BENCH_STAMP) services
 	$(BIN)/python -m bench.run
 
 schemas: install

@@ -241,9 +241,7 @@ def _kind(label: str) -> str:
     return re.sub(r"-\d+((?: \(children\))?)$", r"\1", label)
 
 
-def _snapshot(
-    own: Mapping[str, int], pg_names: Mapping[int, str], pg_fresh: set[int]
-) -> Snapshot:
+def _snapshot(own: Mapping[str, int], pg_names: Mapping[int, str], pg_fresh: set[int]) -> Snapshot:
     """Synchronous /proc reads (one sample takes a few milliseconds)."""
     wall = time.monotonic()
     label_of = {pid: label for label, pid in own.items()}

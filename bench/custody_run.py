@@ -1,6 +1,7 @@
 """The custody run: the fleet started the way ``custody demo`` starts it, a warm-up
-trickle, then a burst of order-fulfilment instances; the figures, and the checks that
-fail the run on a wrong answer."""
+trickle, instances one at a time (the light-load latency), optionally a backlog seeded
+into the tables (``bench/backlog.py``), then a burst of order-fulfilment instances; the
+figures, and the checks that fail the run on a wrong answer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from bench.backlog import Backlog, Seeded, seed
 from bench.common import BenchFailure
 from bench.cpu import CpuWindow, Probe
 from bench.pg_activity import ActivitySampler
@@ -49,11 +51,26 @@ class CustodyResult:
     warm_instances: int
     warm_p50_ms: float
     warm_max_ms: float
+    light_instances: int
+    light_inst_p50_ms: float
+    light_inst_p99_ms: float
+    light_ops: int
+    light_op_p50_ms: float
+    light_op_p99_ms: float
     effects: dict[str, tuple[int, int]]  # table -> (rows, expected)
     duplicates: int
     quarantined: int
     shutdown_codes: list[int]
     cpu: CpuWindow
+    backlog: Seeded | None = None
+
+    @property
+    def label(self) -> str:
+        return f"custody r{self.replicas}" + (", backlog" if self.backlog else "")
+
+    @property
+    def workflows_per_s(self) -> float:
+        return self.instances / self.seconds
 
     @property
     def ops_per_s(self) -> float:
@@ -110,45 +127,76 @@ async def _wait_consumers(settings: Settings, replicas: int, crew: fleet.Fleet) 
 
 async def _wait_finished(
     conn: psycopg.AsyncConnection[tuple[Any, ...]],
-    prefix: str,
-    n: int,
+    items: Sequence[broker.Outgoing],
     crew: fleet.Fleet,
     *,
     timeout_s: float,
     progress: bool,
+    interval_s: float = 0.1,
+    others_open: int = 0,
 ) -> None:
+    """Until the instances of these start requests have finished.
+
+    Cheap on a table full of other instances (the backlog): each poll counts the
+    instances not finished through the partial index ``instances_status``; only once
+    that is down to ``others_open`` (the open instances that are not this wait's) or
+    to print progress are these instances looked up by their start request ids (the
+    unique index), to tell "all finished" from "not all created yet"."""
+    n = len(items)
+    ids = [item.message_id for item in items]
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     last = 0.0
+    done = created = 0
     while True:
-        row = await (
-            await conn.execute(
-                "SELECT count(*) FILTER (WHERE status::text = ANY(%s)), count(*)"
-                " FROM custody.instances WHERE input->>'order_id' LIKE %s",
-                (list(FINISHED), prefix + "%"),
-            )
-        ).fetchone()
-        done, created = (int(row[0]), int(row[1])) if row else (0, 0)
-        if done >= n:
-            return
+        due = progress and time.monotonic() - last >= 5
+        if n > 50 and not due:
+            row = await (
+                await conn.execute(
+                    "SELECT count(*) FROM custody.instances"
+                    " WHERE status NOT IN ('completed', 'failed', 'cancelled')"
+                )
+            ).fetchone()
+            exact = row is None or int(row[0]) <= others_open
+        else:
+            exact = True
+        if exact:
+            row = await (
+                await conn.execute(
+                    "SELECT count(*) FILTER (WHERE status::text = ANY(%s)), count(*)"
+                    " FROM custody.instances WHERE tenant = 'acme'"
+                    " AND start_request_id = ANY(%s::uuid[])",
+                    (list(FINISHED), ids),
+                )
+            ).fetchone()
+            done, created = (int(row[0]), int(row[1])) if row else (0, 0)
+            if done >= n:
+                return
         if crew.dead():
             raise BenchFailure(f"a worker died: {crew.dead()}")
         if time.monotonic() > deadline:
             raise BenchFailure(
                 f"only {done}/{n} instances finished ({created} created) after {timeout_s:.0f}s"
             )
-        if progress and time.monotonic() - last >= 5:
+        if due:
             print(
                 f"    {time.monotonic() - started:5.1f}s: {done}/{n} instances finished,"
                 f" {created} created",
                 flush=True,
             )
             last = time.monotonic()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(interval_s)
 
 
 async def run_custody(
-    settings: Settings, *, replicas: int, instances: int, warmup: int, logs: Path
+    settings: Settings,
+    *,
+    replicas: int,
+    instances: int,
+    warmup: int,
+    light: int,
+    logs: Path,
+    backlog: Backlog | None = None,
 ) -> CustodyResult:
     engine_url = env.with_db(settings.database_url, ENGINE_DB)
     part_url = env.with_db(settings.participant_database_url, PARTICIPANT_DB)
@@ -162,8 +210,14 @@ async def run_custody(
         log_format="json",
     )
     print(
-        f"custody: {instances} order-fulfilment instances (+{warmup} warm-up),"
-        f" {replicas} replica(s) per worker",
+        f"custody: {instances} order-fulfilment instances (+{warmup} warm-up, {light} one"
+        f" at a time), {replicas} replica(s) per worker"
+        + (
+            f", on a backlog of {backlog.finished:,} finished and {backlog.pending:,}"
+            " pending operations"
+            if backlog
+            else ""
+        ),
         flush=True,
     )
     await env.reset_database(engine_url)
@@ -198,6 +252,10 @@ async def run_custody(
             {**o, "order_id": f"warm-{i:05d}"} for i, o in enumerate(demo.orders(warmup, seed=11))
         ]
         warm = _start_items(warm_orders)
+        light_orders = [
+            {**o, "order_id": f"light-{i:05d}"} for i, o in enumerate(demo.orders(light, seed=13))
+        ]
+        lights = _start_items(light_orders)
         amqp = broker.Broker(amqp_url, "bench-client")
         await amqp.connect()
         try:
@@ -207,7 +265,22 @@ async def run_custody(
             ) as conn:
                 # warm-up: a trickle, so its latency is the unloaded one
                 await _publish_starts(pub, warm, pace_s=0.05)
-                await _wait_finished(conn, "warm-", warmup, crew, timeout_s=60, progress=False)
+                await _wait_finished(conn, warm, crew, timeout_s=60, progress=False)
+                # light load: one instance at a time, the next once the last finished
+                for item in lights:
+                    await _publish_starts(pub, [item])
+                    await _wait_finished(
+                        conn, [item], crew, timeout_s=30, progress=False, interval_s=0.01
+                    )
+                seeded = None
+                if backlog is not None:
+                    seeded = await seed(engine_url, backlog)
+                    print(
+                        f"    backlog: {seeded.rows:,} rows ({seeded.finished_ops:,} finished"
+                        f" and {seeded.pending_ops:,} pending operations) seeded in"
+                        f" {seeded.seconds:.0f}s; database {seeded.database_mb:,.0f} MB",
+                        flush=True,
+                    )
                 labels = {p.name: p.popen.pid for p in crew.procs}
                 groups = dict.fromkeys(labels, "custody workers")
                 labels["bench (this process)"] = os.getpid()
@@ -222,11 +295,11 @@ async def run_custody(
                     await _publish_starts(pub, measured)
                     await _wait_finished(
                         conn,
-                        "order-",
-                        instances,
+                        measured,
                         crew,
                         timeout_s=30 + instances * 0.05,
                         progress=True,
+                        others_open=seeded.instances.get("running", 0) if seeded else 0,
                     )
                     end = await probe.snapshot()
                 cpu = probe.window(start, end)
@@ -236,6 +309,8 @@ async def run_custody(
         finally:
             await amqp.close()
         counts = await env.counts(engine_url, part_url)
+        if seeded is not None:  # the seeded rows are nobody's effects
+            counts = _without_seeded(counts, seeded)
         succeeded = counts["succeeded_by_operation"]
         expected = {
             "inventory.reservations": succeeded.get("inventory.reserve", 0),
@@ -256,6 +331,7 @@ async def run_custody(
             quarantined=int(counts["quarantined"]),
             shutdown_codes=sorted(codes.values()),
             cpu=cpu,
+            backlog=seeded,
             **figures,
         )
         _verify(result, counts)
@@ -305,6 +381,27 @@ async def _custody_figures(
             " FROM custody.instances WHERE input->>'order_id' LIKE 'warm-%'"
         )
     ).fetchall()
+    [light_inst] = await (
+        await conn.execute(
+            "SELECT count(*),"
+            " percentile_cont(0.5) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM finished_at - created_at)),"
+            " percentile_cont(0.99) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM finished_at - created_at))"
+            " FROM custody.instances WHERE input->>'order_id' LIKE 'light-%'"
+        )
+    ).fetchall()
+    [light_ops] = await (
+        await conn.execute(
+            "SELECT count(*),"
+            " percentile_cont(0.5) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM o.finished_at - o.created_at)),"
+            " percentile_cont(0.99) WITHIN GROUP"
+            "   (ORDER BY extract(epoch FROM o.finished_at - o.created_at))"
+            " FROM custody.operations o JOIN custody.instances i ON i.id = o.instance_id"
+            " WHERE i.input->>'order_id' LIKE 'light-%'"
+        )
+    ).fetchall()
     return {
         "seconds": float(inst[0]),
         "completed": int(inst[1]),
@@ -318,6 +415,12 @@ async def _custody_figures(
         "warm_instances": int(warm[0]),
         "warm_p50_ms": float(warm[1] or 0) * 1000,
         "warm_max_ms": float(warm[2] or 0) * 1000,
+        "light_instances": int(light_inst[0]),
+        "light_inst_p50_ms": float(light_inst[1] or 0) * 1000,
+        "light_inst_p99_ms": float(light_inst[2] or 0) * 1000,
+        "light_ops": int(light_ops[0]),
+        "light_op_p50_ms": float(light_ops[1] or 0) * 1000,
+        "light_op_p99_ms": float(light_ops[2] or 0) * 1000,
     }
 
 
@@ -335,13 +438,39 @@ async def _wait_outbox_drained(conn: psycopg.AsyncConnection[tuple[Any, ...]]) -
         await asyncio.sleep(0.1)
 
 
+def _without_seeded(counts: dict[str, Any], seeded: Seeded) -> dict[str, Any]:
+    """The counts of the instances the run started: the seeded ones subtracted (and the
+    pending ones checked to be still as seeded, untouched)."""
+    out = dict(counts)
+    inst = {k: int(v) - seeded.instances.get(k, 0) for k, v in counts["instances"].items()}
+    out["instances"] = {k: v for k, v in inst.items() if v}
+    out["seeded_running"] = int(counts["instances"].get("running", 0))
+    out["seeded_accepted"] = int(counts["operations"].get("accepted", 0))
+    out["succeeded_by_operation"] = {
+        k: int(v) - seeded.succeeded.get(k, 0) for k, v in counts["succeeded_by_operation"].items()
+    }
+    return out
+
+
 def _verify(result: CustodyResult, counts: Mapping[str, Any]) -> None:
     problems = []
-    total = result.instances + result.warm_instances
+    total = result.instances + result.warm_instances + result.light_instances
     inst = counts["instances"]
     done = sum(int(inst.get(s, 0)) for s in FINISHED)
-    if done != total:
+    if done != total or any(int(v) for k, v in inst.items() if k not in FINISHED):
         problems.append(f"{done}/{total} instances finished ({inst})")
+    if result.backlog is not None:
+        seeded_running = result.backlog.instances.get("running", 0)
+        if (counts["seeded_running"], counts["seeded_accepted"]) != (
+            seeded_running,
+            result.backlog.pending_ops,
+        ):
+            problems.append(
+                f"{counts['seeded_running']} instances running and"
+                f" {counts['seeded_accepted']} operations accepted after the run,"
+                f" {seeded_running} and {result.backlog.pending_ops} were seeded"
+                " (a seeded row was touched)"
+            )
     mismatched = {k: v for k, v in result.effects.items() if v[0] != v[1]}
     if mismatched:
         problems.append(f"effects (rows, expected = operations succeeded): {mismatched}")

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from workers.settings import ROOT
 
 
 def spawn(
-    args: Sequence[str], log: Path, *, stdin: int | None = None, stdout: int | None = None
+    args: Sequence[str],
+    log: Path,
+    *,
+    stdin: int | None = None,
+    stdout: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """Start a process in the repository root, its output appended to ``log``; ``env``
+    is added to this process's environment."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -22,6 +30,7 @@ def spawn(
             stdin=stdin,
             stdout=stdout if stdout is not None else out,
             stderr=out,
+            env={**os.environ, **env} if env else None,
         )
 
 

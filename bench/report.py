@@ -19,6 +19,7 @@ from pathlib import Path
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuWindow
 from bench.custody_run import CustodyResult
+from bench.peers import PeerResult
 from bench.pg_activity import PgActivity
 from bench.resources import query
 from workers.harness import env
@@ -44,6 +45,13 @@ def _read(path: str) -> str:
     return Path(path).read_text()
 
 
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 async def machine_facts(settings: Settings) -> Machine:
     model = "unknown"
     for line in _read("/proc/cpuinfo").splitlines():
@@ -55,8 +63,19 @@ async def machine_facts(settings: Settings) -> Machine:
         env.with_db(settings.database_url, "postgres"), "SHOW server_version"
     )
     libs = ", ".join(
-        f"{name} {importlib.metadata.version(name)}"
-        for name in ("aio-pika", "aiormq", "psycopg", "pydantic", "orjson")
+        f"{name} {_version(name)}"
+        for name in (
+            "aio-pika",
+            "aiormq",
+            "psycopg",
+            "pydantic",
+            "orjson",
+            "celery",
+            "kombu",
+            "amqp",
+            "pgqueuer",
+            "asyncpg",
+        )
     )
     return Machine(
         nproc=os.cpu_count() or 0,
@@ -123,8 +142,29 @@ def command() -> str:
     return shlex.join([str(exe), "-m", "bench.run", *sys.argv[1:]])
 
 
+# the CPU groups of each system's own processes (not the broker, the database, the bench)
+WORKER_GROUPS = ("custody workers", "baseline", "celery", "pgqueuer")
+# the bench's own Postgres clients (polling, sampling, seeding, submitting)
+BENCH_CLIENTS = (
+    "bench-poll",
+    "bench-activity",
+    "bench-probe",
+    "bench-client",
+    "bench-seed",
+    "bench-lock",
+)
+
+
 def _ms(value: float) -> str:
-    return f"{value:,.0f} ms"
+    return f"{value:,.0f} ms" if value >= 10 else f"{value:,.1f} ms"
+
+
+def _mib(kib: int) -> str:
+    return f"{kib / 1024:,.0f} MiB"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -221,7 +261,7 @@ def _reading(window: CpuWindow, nproc: int) -> str:
     capacity = nproc * window.seconds
     busy = 100 * window.machine.busy / capacity
     own = [r for r in window.rows if r.group != "other"]
-    workers = [r for r in own if r.group in ("custody workers", "baseline")]
+    workers = [r for r in own if r.group in WORKER_GROUPS]
     by_group: dict[str, float] = {}
     for r in own:
         by_group[r.group] = by_group.get(r.group, 0.0) + r.seconds
@@ -244,7 +284,7 @@ def _reading(window: CpuWindow, nproc: int) -> str:
         running = [
             (k, n)
             for k, n in activity.counts.items()
-            if not k[1].startswith("(") and not k[0].startswith("bench")
+            if not k[1].startswith("(") and k[0] not in BENCH_CLIENTS
         ]
         if running:
             (client, what, wait), n = max(running, key=lambda x: x[1])
@@ -255,6 +295,31 @@ def _reading(window: CpuWindow, nproc: int) -> str:
     return "; ".join(parts) + "."
 
 
+def _memory_table(window: CpuWindow) -> list[str]:
+    """Peak resident memory per process type: this system's processes, its Postgres
+    backends and the broker (the bench's own and Postgres' shared processes left out)."""
+    rows = [
+        [
+            m.kind,
+            m.group,
+            f"{m.processes}",
+            _mib(m.largest_kib),
+            _mib(m.total_kib),
+            "peak (VmHWM)" if m.peak else "at the end (VmRSS)",
+        ]
+        for m in window.memory
+        if m.group != "bench"
+        and (m.peak or m.group == "rabbitmq")
+        and m.kind.removeprefix("postgres ← ") not in BENCH_CLIENTS
+    ]
+    if not rows:
+        return []
+    return _table(
+        ["process type", "group", "processes", "largest", "sum", "measured"],
+        rows,
+    )
+
+
 @dataclass
 class Report:
     started: datetime
@@ -263,7 +328,137 @@ class Report:
     settings: Settings
     baseline: BaselineResult
     custody: list[CustodyResult] = field(default_factory=list)
+    peers: list[PeerResult] = field(default_factory=list)
     total_s: float = 0.0
+
+    @property
+    def head(self) -> CustodyResult | None:
+        """custody r1 on empty tables (else the first custody run): the reference."""
+        plain = [c for c in self.custody if c.backlog is None]
+        return next((c for c in plain if c.replicas == 1), plain[0] if plain else None)
+
+    def _against_peers(self) -> list[str]:
+        head, b = self.head, self.baseline
+        if head is None:
+            return []
+        lines = [
+            "## custody against the peers",
+            "",
+            "Same run, same machine, same Postgres and RabbitMQ; the same workload shape"
+            " (a workflow of three operations in sequence, each operation's effect written"
+            " exactly once and checked). The ratio column is custody r1's burst"
+            " operations/s divided by each system's: the figure that holds across"
+            " machines (above 1: custody is faster).",
+            "",
+        ]
+        rows = []
+        for c in self.custody:
+            what = (
+                f"{c.processes} processes ({c.replicas} per worker type)"
+                if c.backlog is None
+                else f"{c.processes} processes, on {c.backlog.finished_ops:,} finished +"
+                f" {c.backlog.pending_ops:,} pending operations"
+            )
+            light = (
+                f"{_ms(c.light_op_p50_ms)} / {_ms(c.light_op_p99_ms)}"
+                if c.light_ops
+                else "(not measured)"
+            )
+            rows.append(
+                [
+                    f"**{c.label}**",
+                    what,
+                    f"{c.instances:,}",
+                    f"{c.ops:,}",
+                    f"**{c.ops_per_s:,.0f}**",
+                    f"{c.workflows_per_s:,.0f}",
+                    f"**{_ratio(head.ops_per_s / c.ops_per_s)}**",
+                    f"{1000 * c.cpu.own / c.ops:.1f}",
+                    light,
+                    _mib(c.cpu.worker_rss_kib(WORKER_GROUPS)),
+                ]
+            )
+        for r in self.peers:
+            rows.append(
+                [
+                    f"**{r.system} {r.version}**",
+                    r.setup,
+                    f"{r.workflows:,}",
+                    f"{r.ops:,}",
+                    f"**{r.ops_per_s:,.0f}**",
+                    f"{r.workflows_per_s:,.0f}",
+                    f"**{_ratio(head.ops_per_s / r.ops_per_s)}**",
+                    f"{1000 * r.cpu.own / r.ops:.1f}",
+                    f"{_ms(r.light_step_p50_ms)} / {_ms(r.light_step_p99_ms)}",
+                    _mib(r.cpu.worker_rss_kib(WORKER_GROUPS)),
+                ]
+            )
+        rows.append(
+            [
+                "baseline",
+                "naive outbox, one message at a time, 3 processes",
+                "",
+                f"{b.ops:,}",
+                f"{b.ops_per_s:,.0f}",
+                "",
+                _ratio(head.ops_per_s / b.ops_per_s),
+                f"{1000 * b.cpu.own / b.ops:.1f}",
+                "",
+                _mib(b.cpu.worker_rss_kib(WORKER_GROUPS)),
+            ]
+        )
+        lines += _table(
+            [
+                "system",
+                "how it ran",
+                "workflows",
+                "operations",
+                "operations/s (burst)",
+                "workflows/s",
+                f"custody r{head.replicas} ÷ this",
+                "CPU ms / operation",
+                "light load, one operation p50 / p99",
+                "peak RSS, its own processes",
+            ],
+            rows,
+        )
+        lines.append("")
+        parts = [
+            f"custody r{head.replicas} moves {_ratio(head.ops_per_s / r.ops_per_s)} x the"
+            f" operations/s of {r.system}"
+            for r in self.peers
+        ]
+        for c in self.custody:
+            if c.backlog is not None:
+                parts.append(
+                    f"on a backlog ({c.backlog.finished_ops:,} finished and"
+                    f" {c.backlog.pending_ops:,} pending operations already in its tables,"
+                    f" {c.backlog.rows:,} rows, {c.backlog.database_mb:,.0f} MB) custody"
+                    f" r{c.replicas} moves **{_ratio(c.ops_per_s / head.ops_per_s)} x** its"
+                    " empty-table figure"
+                )
+        if parts:
+            lines += ["In short: " + "; ".join(parts) + ".", ""]
+        lines += [
+            "- *operations/s (burst)*: all the workflows submitted at once, from the first"
+            " submit to the last effect (database clock). An operation is one step of a"
+            " workflow: for custody one call to a participant (submit, `accepted`, terminal"
+            " receipt, each through an outbox; an order-fulfilment instance averages"
+            f" {head.ops / max(head.instances, 1):.2f}), for Celery one task, for pgqueuer"
+            " one job, for the baseline one command and its reply.",
+            "- *CPU ms / operation*: CPU time in the burst window of the system's processes,"
+            " the database, the broker (not for pgqueuer, which does not use it) and the"
+            " bench, per operation; other workloads on the machine excluded.",
+            "- *light load*: one workflow at a time, the next submitted once the previous"
+            " one finished. custody: an operation from its creation to its terminal"
+            " receipt (`operations.created_at` → `finished_at`); the peers: a step from the"
+            " previous step's effect (or the submit, for the first) to its own effect row.",
+            "- *peak RSS*: the sum of the peak resident sets (VmHWM) of the system's own"
+            " processes (workers, pool children), without the broker and the database;"
+            " per process type in *Memory* below.",
+            "",
+        ]
+        return lines
 
     def markdown(self) -> str:
         m, b = self.machine, self.baseline
@@ -285,9 +480,9 @@ class Report:
             f" poll_interval_s {os.environ.get('CUSTODY_POLL_INTERVAL_S', '0.5')}",
             "- Broker, database, every worker and the bench share the same cores.",
             "",
-            "## Throughput (operations fully round-tripped, end to end)",
-            "",
         ]
+        lines += self._against_peers()
+        lines += ["## Throughput (operations fully round-tripped, end to end)", ""]
         rows = [
             [
                 "baseline: naive hand-rolled outbox, one message at a time (3 processes)",
@@ -299,15 +494,32 @@ class Report:
             ]
         ]
         for c in self.custody:
+            backlog = (
+                f", on a backlog of {c.backlog.finished_ops:,} finished +"
+                f" {c.backlog.pending_ops:,} pending operations"
+                if c.backlog
+                else ""
+            )
             rows.append(
                 [
                     f"custody, {c.replicas} replica(s) per worker ({c.processes} processes),"
-                    f" {c.instances:,} instances",
+                    f" {c.instances:,} instances{backlog}",
                     f"{c.ops:,}",
                     f"{c.seconds:.1f}",
                     f"**{c.ops_per_s:,.0f}**",
                     f"**{c.ops_per_s / b.ops_per_s:.2f}**",
                     f"{1000 * c.cpu.own / c.ops:.1f}",
+                ]
+            )
+        for r in self.peers:
+            rows.append(
+                [
+                    f"{r.system} {r.version}: {r.setup}, {r.workflows:,} workflows",
+                    f"{r.ops:,}",
+                    f"{r.seconds:.1f}",
+                    f"**{r.ops_per_s:,.0f}**",
+                    f"{r.ops_per_s / b.ops_per_s:.2f}",
+                    f"{1000 * r.cpu.own / r.ops:.1f}",
                 ]
             )
         lines += _table(
@@ -325,17 +537,41 @@ class Report:
             "",
             "An operation is one call to a participant: for the baseline a command and its"
             " reply; for custody a submit command, an `accepted` and a terminal receipt,"
-            " each through an outbox, applied with validation and history. Baseline"
+            " each through an outbox, applied with validation and history; for a peer one"
+            " step of a workflow (a task, a job) with its effect row. Baseline"
             f" window: first outbox insert to last reply applied ({b.warmup} warm-up"
             " operations before it). Custody window: the first start request published"
-            " to the last instance finished (database clock). CPU ms / operation: the CPU"
-            " time of this run's processes, the broker and the database in the window, per"
-            " operation (other workloads on the machine excluded); on a saturated machine,"
-            " operations/s is about cores x 1000 / this.",
+            " to the last instance finished (database clock). Peer window: just before"
+            " the first submit to the last effect row (database clock). CPU ms /"
+            " operation: the CPU time of this run's processes, the broker and the"
+            " database in the window, per operation (other workloads on the machine"
+            " excluded); on a saturated machine, operations/s is about cores x 1000 /"
+            " this.",
             "",
         ]
         for c in self.custody:
-            lines.append(f"- custody r{c.replicas}: {_reading(c.cpu, m.nproc)}")
+            lines.append(f"- {c.label}: {_reading(c.cpu, m.nproc)}")
+        for r in self.peers:
+            lines.append(f"- {r.system}: {_reading(r.cpu, m.nproc)}")
+        for c in self.custody:
+            if c.backlog is not None:
+                sd = c.backlog
+                lines += [
+                    "",
+                    f"Backlog ({c.label}): before the burst, {sd.rows:,} rows were seeded"
+                    f" into custody's tables with SQL ({sd.finished_ops:,} finished"
+                    f" operations of {sum(v for k, v in sd.instances.items() if k != 'running'):,}"
+                    f" finished instances, {sd.pending_ops:,} operations accepted and"
+                    f" waiting, with a deadline two days away, in"
+                    f" {sd.instances.get('running', 0):,} running instances; copies of the"
+                    " run's warm-up instances, see bench/README.md), then VACUUM ANALYZE and"
+                    f" CHECKPOINT: {sd.seconds:.0f} s, the engine database"
+                    f" {sd.database_mb:,.0f} MB. The seeded rows are left untouched (checked).",
+                ]
+        if self.peers:
+            lines += ["", "### How the peers ran", ""]
+            for r in self.peers:
+                lines.append(f"- **{r.system} {r.version}**, {r.setup}: " + "; ".join(r.settings))
         lines += [
             "",
             "## Latency",
@@ -343,34 +579,67 @@ class Report:
         ]
         lat = [
             [
-                "baseline, one operation (outbox insert → reply applied)",
+                "baseline, one operation (outbox insert → reply applied), during its run",
                 _ms(b.p50_ms),
                 _ms(b.p99_ms),
                 _ms(b.max_ms),
             ]
         ]
         for c in self.custody:
+            if c.light_instances:
+                lat += [
+                    [
+                        f"{c.label}, one operation (created → terminal), light load"
+                        f" ({c.light_ops} operations of {c.light_instances} instances run"
+                        " one at a time)",
+                        _ms(c.light_op_p50_ms),
+                        _ms(c.light_op_p99_ms),
+                        "",
+                    ],
+                    [
+                        f"{c.label}, one instance of 3 sequential operations (created →"
+                        f" finished), light load ({c.light_instances}, one at a time)",
+                        _ms(c.light_inst_p50_ms),
+                        _ms(c.light_inst_p99_ms),
+                        "",
+                    ],
+                ]
             lat += [
                 [
-                    f"custody r{c.replicas}, one instance of 3 sequential operations"
+                    f"{c.label}, one instance of 3 sequential operations"
                     f" (created → finished), burst of {c.instances:,}",
                     _ms(c.inst_p50_ms),
                     _ms(c.inst_p99_ms),
                     _ms(c.inst_max_ms),
                 ],
                 [
-                    f"custody r{c.replicas}, one operation (created → terminal),"
-                    f" burst of {c.instances:,}",
+                    f"{c.label}, one operation (created → terminal), burst of {c.instances:,}",
                     _ms(c.op_p50_ms),
                     _ms(c.op_p99_ms),
                     "",
                 ],
                 [
-                    f"custody r{c.replicas}, one instance, unloaded"
+                    f"{c.label}, one instance, unloaded"
                     f" (warm-up trickle of {c.warm_instances}, 20/s)",
                     _ms(c.warm_p50_ms),
                     "",
                     _ms(c.warm_max_ms),
+                ],
+            ]
+        for r in self.peers:
+            lat += [
+                [
+                    f"{r.system}, one step (previous effect → its effect), light load"
+                    f" ({r.light_workflows} workflows one at a time)",
+                    _ms(r.light_step_p50_ms),
+                    _ms(r.light_step_p99_ms),
+                    "",
+                ],
+                [
+                    f"{r.system}, one workflow of 3 steps (submit → last effect), light load",
+                    _ms(r.light_wf_p50_ms),
+                    _ms(r.light_wf_p99_ms),
+                    "",
                 ],
             ]
         lines += _table(["what", "p50", "p99", "max"], lat)
@@ -384,29 +653,61 @@ class Report:
         ]
         for c in self.custody:
             effects = ", ".join(f"{k} {v[0]} (expected {v[1]})" for k, v in c.effects.items())
+            total = c.instances + c.warm_instances + c.light_instances
             lines.append(
-                f"- custody r{c.replicas}: {c.instances + c.warm_instances:,} instances finished"
+                f"- {c.label}: {total:,} instances finished"
                 f" (measured: completed {c.completed}, failed and compensated {c.failed});"
                 f" effects {effects}; duplicates {c.duplicates}; quarantined"
                 f" {c.quarantined}; shutdown exit codes {sorted(set(c.shutdown_codes))}"
+                + ("; every seeded row left as seeded" if c.backlog else "")
+            )
+        for r in self.peers:
+            total = r.workflows + r.warmup + r.light_workflows
+            lines.append(
+                f"- {r.system}: {total:,} workflows ({r.warmup} warm-up, {r.light_workflows}"
+                f" one at a time, {r.workflows:,} in the burst), {r.effects:,} effect rows:"
+                " every workflow exactly its steps 1, 2 and 3, none missing, none extra;"
+                f" redeliveries absorbed by the key: {r.redeliveries}; " + "; ".join(r.checks)
             )
         lines.append(
             f"- baseline: {b.ops + b.warmup:,} commands published, received and replied,"
             " each exactly once"
         )
-        lines += ["", "## Where the CPU goes (utime + stime in the measured window)", ""]
+        lines += ["", "## Memory (resident set per process type)", ""]
+        lines += [
+            "The peak (VmHWM, read at the end of the burst) of every process the run"
+            " started and of its Postgres backends; for the broker, which is older than"
+            " the run, its resident set at the end of the window. A Postgres backend's"
+            " resident set counts the shared buffers it touched, which every backend"
+            " shares: its sum over-counts.",
+            "",
+        ]
+        sections: list[tuple[str, CpuWindow]] = [("baseline", b.cpu)]
+        sections += [(c.label, c.cpu) for c in self.custody]
+        sections += [(f"{r.system} {r.version}", r.cpu) for r in self.peers]
+        for title, window in sections:
+            table = _memory_table(window)
+            if table:
+                lines += [f"### {title}", "", *table, ""]
+        lines += ["## Where the CPU goes (utime + stime in the measured window)", ""]
         lines += [f"### baseline ({b.ops:,} operations)", ""]
         lines += _cpu_table(b.cpu, b.ops, m.nproc)
         lines += _activity_table(b.cpu.activity)
         for c in self.custody:
-            lines += ["", f"### custody, {c.replicas} replica(s) ({c.ops:,} operations)", ""]
+            lines += ["", f"### {c.label}, {c.replicas} replica(s) ({c.ops:,} operations)", ""]
             lines += _cpu_table(c.cpu, c.ops, m.nproc)
             lines += _activity_table(c.cpu.activity)
+        for r in self.peers:
+            lines += ["", f"### {r.system} {r.version} ({r.ops:,} operations)", ""]
+            lines += _cpu_table(r.cpu, r.ops, m.nproc)
+            lines += _activity_table(r.cpu.activity)
         lines += [
             "",
             "`postgres ← X` is the backend serving the client whose application_name is X"
             " (`custody-<worker>` for a worker's pool; LISTEN connections have no name and"
-            " show as `client backend`).",
+            " show as `client backend`; `bench-celery-task`, `bench-pgqueuer-*` are the"
+            " peers' connections). `X (children)` are the child processes of X (Celery's"
+            " prefork pool).",
             "",
         ]
         return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""``make bench``: custody's end-to-end throughput as a ratio against a naive baseline.
+"""``make bench``: custody's end-to-end throughput against a naive baseline and against
+the peers a user would pick instead (Celery, pgqueuer).
 
 In one invocation, on the same Postgres and RabbitMQ:
 
@@ -7,9 +8,16 @@ In one invocation, on the same Postgres and RabbitMQ:
 2. the custody fleet, started like ``custody demo`` (real processes, its own
    databases and vhost), once per ``--replicas`` setting, with K order-fulfilment
    instances; exactly-once effects are checked, and a wrong answer fails the run;
-3. a report: operations/s, the ratio against the baseline, latency percentiles, the
-   CPU seconds each process spent in the measured window, the machine, versions and
-   the command; printed, and written to ``bench/results/latest.md``.
+3. the peers, each on its own database (and vhost): Celery (a chain of three tasks per
+   workflow on a quorum queue) and pgqueuer (three chained jobs), the same workload
+   shape, each step's effect written exactly once and checked (``bench/peers.py``);
+4. custody once more (one replica) on a backlog seeded into its tables
+   (``bench/backlog.py``), unless ``--no-backlog``;
+5. a report: operations/s, the ratios (custody against each peer, the backlog against
+   the empty tables, against the baseline), latency percentiles, CPU per operation,
+   peak memory, the CPU seconds each process spent in the measured window, the
+   machine, versions and the command; printed, and written to
+   ``bench/results/latest.md``.
 
 See ``bench/README.md`` for how to read it.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import shutil
 import signal
 import sys
@@ -29,13 +38,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.backlog import Backlog
 from bench.baseline_run import run_baseline
+from bench.celery_run import run_celery
 from bench.common import BenchFailure
 from bench.custody_run import run_custody
+from bench.pgqueuer_run import run_pgqueuer
 from bench.report import Report, command, machine_facts
+from bench.resources import exclusive
 from workers.settings import ROOT, Settings
 
 RESULTS = ROOT / "bench" / "results" / "latest.md"
+PEERS = ("celery", "pgqueuer")
 
 
 @dataclass(frozen=True)
@@ -46,12 +60,20 @@ class Options:
     warmup: int
     replicas: tuple[int, ...]
     output: Path
+    light: int = 50
+    peers: tuple[str, ...] = PEERS
+    peer_workflows: int = 2500
+    peer_warmup: int = 100
+    celery_concurrency: int = 8
+    pgqueuer_workers: int = 2
+    backlog: Backlog | None = None
 
 
 def parse(argv: Sequence[str] | None = None) -> Options:
     p = argparse.ArgumentParser(
         prog="python -m bench.run",
-        description="custody's end-to-end throughput against a naive baseline (bench/README.md)",
+        description="custody's end-to-end throughput against a naive baseline and the peers"
+        " (bench/README.md)",
     )
     p.add_argument(
         "--instances",
@@ -67,6 +89,44 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         help="comma-separated replicas per worker, one custody run each (default 1,2; --quick 1)",
     )
     p.add_argument("--warmup", type=int, help="custody warm-up instances (default 20)")
+    p.add_argument(
+        "--light",
+        type=int,
+        help="instances (custody) and workflows (peers) run one at a time for the"
+        " light-load latency (default 50, --quick 10)",
+    )
+    p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma-separated peers to run beside custody, or 'none' (default {','.join(PEERS)})",
+    )
+    p.add_argument(
+        "--peer-workflows",
+        type=int,
+        help="workflows (3 steps each) in each peer's burst (default 2500, --quick 150)",
+    )
+    p.add_argument(
+        "--celery-concurrency", type=int, default=8, help="Celery prefork pool size (default 8)"
+    )
+    p.add_argument(
+        "--pgqueuer-workers", type=int, default=2, help="pgqueuer worker processes (default 2)"
+    )
+    p.add_argument(
+        "--backlog",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one more custody run (1 replica) on tables seeded with a backlog (default on)",
+    )
+    p.add_argument(
+        "--backlog-finished",
+        type=int,
+        help="finished operations seeded for the backlog run (default 100000, --quick 5000)",
+    )
+    p.add_argument(
+        "--backlog-pending",
+        type=int,
+        help="pending (accepted, far deadline) operations seeded (default 20000, --quick 1000)",
+    )
     p.add_argument("--quick", action="store_true", help="a small run for smoke-testing")
     p.add_argument(
         "--output",
@@ -82,6 +142,16 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error(f"--replicas {replicas_text!r}: expected e.g. 1,2")
     if not replicas or min(replicas) < 1:
         p.error("--replicas: at least one setting, each at least 1")
+    peers = tuple(x.strip() for x in a.peers.split(",") if x.strip() and x.strip() != "none")
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; known: {', '.join(PEERS)}")
+    backlog = None
+    if a.backlog:
+        backlog = Backlog(
+            finished=a.backlog_finished or (5000 if a.quick else 100_000),
+            pending=a.backlog_pending or (1000 if a.quick else 20_000),
+        )
     opts = Options(
         instances=a.instances or (150 if a.quick else 2500),
         baseline_ops=a.baseline_ops or (300 if a.quick else 3000),
@@ -89,9 +159,25 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         warmup=a.warmup if a.warmup is not None else (10 if a.quick else 20),
         replicas=replicas,
         output=a.output,
+        light=a.light if a.light is not None else (10 if a.quick else 50),
+        peers=peers,
+        peer_workflows=a.peer_workflows or (150 if a.quick else 2500),
+        peer_warmup=20 if a.quick else 100,
+        celery_concurrency=a.celery_concurrency,
+        pgqueuer_workers=a.pgqueuer_workers,
+        backlog=backlog,
     )
-    if opts.instances < 1 or opts.baseline_ops < 1 or opts.warmup < 0:
-        p.error("sizes must be positive")
+    if (
+        opts.instances < 1
+        or opts.baseline_ops < 1
+        or opts.warmup < (1 if backlog else 0)
+        or opts.light < 0
+        or opts.peer_workflows < 1
+        or opts.celery_concurrency < 1
+        or opts.pgqueuer_workers < 1
+        or (backlog is not None and (backlog.finished < 1 or backlog.pending < 1))
+    ):
+        p.error("sizes must be positive (--warmup too: the backlog copies the warm-up)")
     return opts
 
 
@@ -107,9 +193,29 @@ def _log_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# the modules each peer needs: the optional extra `bench` (pyproject.toml)
+PEER_MODULES = {"celery": ("celery",), "pgqueuer": ("pgqueuer", "asyncpg")}
+
+
+def _check_installed(peers: Sequence[str]) -> None:
+    """Fail before the first run, not after the baseline and custody have run."""
+    missing = [m for p in peers for m in PEER_MODULES[p] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise BenchFailure(
+            f"not installed: {', '.join(missing)} (the bench extra): `make bench` installs"
+            " it, or `.venv/bin/pip install -e '.[bench]'`; `--peers none` skips the peers"
+        )
+
+
 async def main_async(opts: Options) -> int:
-    started = time.monotonic()
+    _check_installed(opts.peers)
     settings = Settings.from_env()
+    async with exclusive(settings):
+        return await _runs(opts, settings)
+
+
+async def _runs(opts: Options, settings: Settings) -> int:
+    started = time.monotonic()
     machine = await machine_facts(settings)
     report_time = datetime.now(UTC)
     with _log_dir() as logs:
@@ -118,20 +224,41 @@ async def main_async(opts: Options) -> int:
         )
         print(f"  baseline: {b.ops_per_s:,.0f} operations/s", flush=True)
         report = Report(report_time, command(), machine, settings, b)
-        for replicas in opts.replicas:
-            c = await run_custody(
-                settings,
-                replicas=replicas,
-                instances=opts.instances,
-                warmup=opts.warmup,
-                logs=logs,
-            )
+        # custody r1 first and the peers right after it: the ratios that matter most
+        # are measured close together; then the other replica settings, the backlog
+        first, *others = opts.replicas
+        await _custody(opts, settings, report, logs, first)
+        for peer in opts.peers:
+            if peer == "celery":
+                r = await run_celery(
+                    settings,
+                    workflows=opts.peer_workflows,
+                    warmup=opts.peer_warmup,
+                    light=opts.light,
+                    concurrency=opts.celery_concurrency,
+                    logs=logs,
+                )
+            else:
+                r = await run_pgqueuer(
+                    settings,
+                    workflows=opts.peer_workflows,
+                    warmup=opts.peer_warmup,
+                    light=opts.light,
+                    workers=opts.pgqueuer_workers,
+                    logs=logs,
+                )
+            head = report.custody[0]
             print(
-                f"  custody r{replicas}: {c.ops_per_s:,.0f} operations/s"
-                f" ({c.ops_per_s / b.ops_per_s:.2f} x baseline)",
+                f"  {r.system}: {r.ops_per_s:,.0f} operations/s, {r.workflows_per_s:,.0f}"
+                f" workflows/s (custody r{head.replicas} / {r.system}:"
+                f" {head.ops_per_s / r.ops_per_s:.2f})",
                 flush=True,
             )
-            report.custody.append(c)
+            report.peers.append(r)
+        for replicas in others:
+            await _custody(opts, settings, report, logs, replicas)
+        if opts.backlog is not None:
+            await _custody(opts, settings, report, logs, 1, opts.backlog)
     report.total_s = time.monotonic() - started
     text = report.markdown()
     print()
@@ -142,6 +269,32 @@ async def main_async(opts: Options) -> int:
     tmp.replace(opts.output)
     print(f"written to {opts.output}")
     return 0
+
+
+async def _custody(
+    opts: Options,
+    settings: Settings,
+    report: Report,
+    logs: Path,
+    replicas: int,
+    backlog: Backlog | None = None,
+) -> None:
+    c = await run_custody(
+        settings,
+        replicas=replicas,
+        instances=opts.instances,
+        warmup=opts.warmup,
+        light=0 if backlog else opts.light,
+        backlog=backlog,
+        logs=logs,
+    )
+    b = report.baseline
+    print(
+        f"  {c.label}: {c.ops_per_s:,.0f} operations/s"
+        f" ({c.ops_per_s / b.ops_per_s:.2f} x baseline)",
+        flush=True,
+    )
+    report.custody.append(c)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
