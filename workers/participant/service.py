@@ -10,6 +10,12 @@ It owns two commit boundaries in the participant's own database:
   transaction up to a small time budget (the batch is *claimed* in a short
   transaction of its own: acceptance never waits behind a running handler).
 
+A participant may declare some operations *inline*: handlers fast enough to run in
+the acceptance transaction itself. Both durable facts then commit together before the
+ack (inbox row, effect, terminal receipt); the ``accepted`` receipt is journaled but
+never sent. A handler that fails with a bug, or meets a transient conflict, leaves
+its command accepted for the executor, as if it had not been inline.
+
 A repeated command with the same digest gets the existing receipt again (same id,
 same bytes) and never runs the handler again; the same identity with a different
 digest is a conflict, recorded and answered, never executed. Receipts leave through
@@ -21,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -140,10 +146,13 @@ class Participant:
         settings: Settings,
         database: db.Database,
         cancel_hooks: Mapping[str, CancelHook] | None = None,
+        inline: Collection[str] = (),
     ) -> None:
         self.me = me
         self.handlers = dict(handlers)
         self.cancel_hooks = dict(cancel_hooks or {})
+        # operations whose handlers are fast enough to run in the acceptance transaction
+        self.inline = frozenset(inline)
         self.settings = settings
         self.db = database
         # This executor's claims. One execute() at a time per instance (serve runs one
@@ -279,18 +288,68 @@ class Participant:
                     reemit.append(c.submit_request_id)
                 else:
                     receipts.append(receipt)
+            done, overtaken = await self._complete_inline(tx, fresh, receipts, trace)
             # journal first: a query in the same batch sees what this batch accepted
-            await self._emit(tx, receipts, unjournaled=conflict_answers, trace=trace)
+            await self._emit(
+                tx,
+                [*receipts, *done],
+                unjournaled=conflict_answers,
+                trace=trace,
+                journal_only=overtaken,
+            )
             await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
             await tx.run_many("p_refused_insert", [r.params() for r in refused])
+        if done:
+            faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
         for r in refused:
             metrics.quarantined(f"participant.{self.me.owner}", r.reason)
         return [d.value for d in decisions]
+
+    async def _complete_inline(
+        self,
+        tx: db.Tx,
+        fresh: Sequence[tuple[SubmitCommand, str, str]],
+        receipts: Sequence[OperationReceipt],
+        trace: Mapping[str, str | None],
+    ) -> tuple[list[OperationReceipt], set[str]]:
+        """Run the handlers of the batch's new commands whose operations are ``inline``,
+        in this acceptance transaction (each in a savepoint), so that acceptance, effect
+        and terminal receipt commit together before the ack. Returns the terminal
+        receipts and the ids of the ``accepted`` receipts they overtake (journaled, not
+        sent). A command cancelled in this batch does not run; one whose handler failed
+        with a bug or hit a transient conflict stays accepted for the executor."""
+        if not self.inline:
+            return [], set()
+        cancelled = {r.request_id for r in receipts if r.status == "cancelled"}
+        done: list[OperationReceipt] = []
+        for c, status, _ in fresh:
+            if (
+                status != acceptance.Verdict.ACCEPTED.value
+                or c.operation not in self.inline
+                or c.request_id in cancelled
+            ):
+                continue
+            row = {
+                **_cmd(c),
+                "operation": c.operation,
+                "digest": c.digest,
+                "command": c.model_dump(mode="json"),
+                "owner_revision": 1,
+                "executions": 0,
+                "traceparent": trace.get(c.request_id),
+            }
+            try:
+                receipt = await self._run_one(tx, row)
+            except _Conflict:
+                continue  # the executor runs it again (its row is accepted, unclaimed)
+            if receipt is not None:
+                done.append(receipt)
+        return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
         self, tx: db.Tx, offered: Sequence[SubmitCommand], trace: Mapping[str, str | None]
@@ -468,9 +527,11 @@ class Participant:
         receipts: Sequence[OperationReceipt],
         answers: Sequence[QueryAnswer] = (),
         unjournaled: Sequence[OperationReceipt] = (),
-        trace: Mapping[str, str] | None = None,
+        trace: Mapping[str, str | None] | None = None,
+        journal_only: Collection[str] = (),
     ) -> None:
-        """Journal our receipts (they answer later queries) and queue everything we say."""
+        """Journal our receipts (they answer later queries) and queue everything we say
+        (but the receipts in ``journal_only``, overtaken before they could be sent)."""
         bodies = [(r, codec.encode(r)) for r in receipts]
         await tx.run_many(
             "p_receipt_insert",
@@ -487,11 +548,12 @@ class Participant:
         trace = trace or {}
 
         def tp(*keys: str) -> str | None:
-            return next((trace[k] for k in keys if k in trace), None)
+            return next((trace[k] for k in keys if trace.get(k)), None)
 
         rows = [
             _outbox_row(r.receipt_id, b, r.operation_id, tp(r.in_reply_to, r.request_id))
             for r, b in bodies
+            if r.receipt_id not in journal_only
         ]
         rows += [
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
@@ -674,8 +736,10 @@ async def serve(
     *,
     schema: str,
     cancel_hooks: Mapping[str, CancelHook] | None = None,
+    inline: Collection[str] = (),
 ) -> None:
-    """Run a participant: acceptance consumer, executor and receipt publisher."""
+    """Run a participant: acceptance consumer, executor and receipt publisher.
+    ``inline``: operations whose handlers run in the acceptance transaction."""
     database = db.Database(
         settings.participant_database_url, schema=schema, name=me.owner, max_size=4
     )
@@ -690,7 +754,7 @@ async def serve(
     await amqp.connect()
     health.checks["broker"] = lambda: amqp.connected
     health.checks["database"] = lambda: database.healthy
-    part = Participant(me, handlers, settings, database, cancel_hooks)
+    part = Participant(me, handlers, settings, database, cancel_hooks, inline)
     exec_waker = supervisor.Waker(settings.poll_interval_s)
     pub_waker = supervisor.Waker(settings.poll_interval_s)
     pub = outbox.OutboxPublisher(
