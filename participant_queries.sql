@@ -148,11 +148,15 @@ UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(del
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- name: p_exec_complete
-UPDATE inbox
-   SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
-       result = %(result)s, error = %(error)s, completed_at = now(),
+-- The batch's completed commands, from their terminal receipts, in one statement.
+UPDATE inbox i
+   SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
+       result = r.result, error = r.error, completed_at = now(),
        claimed_until = NULL, claim_token = NULL
- WHERE request_id = %(request_id)s AND status = 'accepted';
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(request_id uuid, status text, effect text, owner_revision integer, result jsonb,
+            error jsonb)
+ WHERE i.request_id = r.request_id AND i.status = 'accepted';
 
 -- name: p_outbox_supersede
 -- A receipt still waiting to be sent when a newer receipt of the same command commits

@@ -349,6 +349,7 @@ class Participant:
                 continue  # the executor runs it again (its row is accepted, unclaimed)
             if receipt is not None:
                 done.append(receipt)
+        await _complete(tx, done)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
@@ -632,6 +633,7 @@ class Participant:
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
+            await _complete(tx, [r for r, _ in receipts])
             await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.run_many(
                 "p_outbox_supersede",
@@ -690,17 +692,8 @@ class Participant:
             await tx.run("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
             return None
         status, effect, result, error = done.status, done.effect, done.result, done.error
-        await tx.run(
-            "p_exec_complete",
-            {
-                "request_id": row["request_id"],
-                "status": status,
-                "effect": effect,
-                "owner_revision": revision,
-                "result": db.jsonb(result) if result is not None else None,
-                "error": db.jsonb(error.model_dump()) if error else None,
-            },
-        )
+        # the inbox row is completed with the batch's other ones (_complete), from this
+        # receipt, in the same transaction: its lock is held until then
         return _receipt(
             row,
             self.me,
@@ -712,6 +705,28 @@ class Participant:
             result=result,
             error=error,
         )
+
+
+async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
+    """The inbox rows of these terminal receipts take their status, effect, revision,
+    result and error, in one statement (each row is locked by this transaction and
+    still accepted: inserted by it, or re-checked under its lock by the executor)."""
+    changed = await tx.run_many(
+        "p_exec_complete",
+        [
+            {
+                "request_id": r.request_id,
+                "status": r.status,
+                "effect": r.effect,
+                "owner_revision": r.owner_revision,
+                "result": r.result,
+                "error": r.error.model_dump() if r.error else None,
+            }
+            for r in receipts
+        ],
+    )
+    if changed != len(receipts):
+        raise errors.RowChanged(f"{len(receipts) - changed} inbox rows changed under their lock")
 
 
 def _cmd(c: SubmitCommand) -> dict[str, Any]:
