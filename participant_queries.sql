@@ -12,10 +12,12 @@ SELECT request_id::text FROM tombstones WHERE request_id = ANY(%(ids)s);
 -- name: p_inbox_accept
 INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
                    status, effect, owner_revision, traceparent)
-SELECT * FROM unnest(%(request_id)s::uuid[], %(tenant)s::text[], %(operation_id)s::uuid[],
-                     %(attempt)s::int[], %(operation)s::text[], %(digest)s::text[],
-                     %(command)s::jsonb[], %(status)s::text[], %(effect)s::text[],
-                     %(owner_revision)s::int[], %(traceparent)s::text[])
+SELECT r.request_id, r.tenant, r.operation_id, r.attempt, r.operation, r.digest, r.command,
+       r.status, r.effect, r.owner_revision, r.traceparent
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(request_id uuid, tenant text, operation_id uuid, attempt int, operation text,
+            digest text, command jsonb, status text, effect text, owner_revision int,
+            traceparent text)
 ON CONFLICT (request_id) DO NOTHING
 RETURNING request_id::text;
 
@@ -82,12 +84,20 @@ SELECT DISTINCT ON (request_id) request_id::text, body FROM receipts
 
 -- name: p_receipt_insert
 INSERT INTO receipts (receipt_id, request_id, owner_revision, body)
-VALUES (%(receipt_id)s, %(request_id)s, %(owner_revision)s, %(body)s)
+SELECT r.receipt_id, r.request_id, r.owner_revision, decode(r.body, 'base64')
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(receipt_id uuid, request_id uuid, owner_revision integer, body text)
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: p_outbox_insert
 INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s, %(operation_id)s)
+SELECT r.id, r.exchange, r.routing_key, decode(r.body, 'base64'), coalesce(r.headers, '{}'),
+       r.operation_id
+  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
+                  AS (id uuid, exchange text, routing_key text, body text, headers jsonb,
+                      operation_id uuid))
+       WITH ORDINALITY AS r(id, exchange, routing_key, body, headers, operation_id, n)
+ ORDER BY r.n
 ON CONFLICT (id) DO NOTHING;
 
 -- name: p_answer_upsert
@@ -138,11 +148,15 @@ UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(del
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- name: p_exec_complete
-UPDATE inbox
-   SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
-       result = %(result)s, error = %(error)s, completed_at = now(),
+-- The batch's completed commands, from their terminal receipts, in one statement.
+UPDATE inbox i
+   SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
+       result = r.result, error = r.error, completed_at = now(),
        claimed_until = NULL, claim_token = NULL
- WHERE request_id = %(request_id)s AND status = 'accepted';
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(request_id uuid, status text, effect text, owner_revision integer, result jsonb,
+            error jsonb)
+ WHERE i.request_id = r.request_id AND i.status = 'accepted';
 
 -- name: p_outbox_supersede
 -- A receipt still waiting to be sent when a newer receipt of the same command commits

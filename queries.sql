@@ -24,7 +24,11 @@ DELETE FROM custody.leases WHERE holder = %(holder)s AND epoch = %(epoch)s;
 
 -- name: history_insert
 INSERT INTO history (instance_id, operation_id, event, detail, actor)
-VALUES (%(instance_id)s, %(operation_id)s, %(event)s, %(detail)s, %(actor)s);
+SELECT r.instance_id, r.operation_id, r.event, coalesce(r.detail, '{}'), r.actor
+  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
+                  AS (instance_id uuid, operation_id uuid, event text, detail jsonb, actor text))
+       WITH ORDINALITY AS r(instance_id, operation_id, event, detail, actor, n)
+ ORDER BY r.n;
 
 -- name: quarantine_insert
 INSERT INTO quarantine (source, reason, detail, message_id, user_id, tenant, operation_id,
@@ -58,11 +62,9 @@ INSERT INTO instances (id, tenant, start_request_id, process, process_version, i
                        requested_by, traceparent, routes)
 SELECT id, tenant, start_request_id, process, process_version, input, 'running', requested_by,
        traceparent, routes
-  FROM unnest(%(id)s::uuid[], %(tenant)s::text[], %(start_request_id)s::uuid[],
-              %(process)s::text[], %(process_version)s::int[], %(input)s::jsonb[],
-              %(requested_by)s::text[], %(traceparent)s::text[], %(routes)s::jsonb[])
-       AS t(id, tenant, start_request_id, process, process_version, input, requested_by,
-            traceparent, routes)
+  FROM jsonb_to_recordset(%(rows)s)
+       AS t(id uuid, tenant text, start_request_id uuid, process text, process_version int,
+            input jsonb, requested_by text, traceparent text, routes jsonb)
 ON CONFLICT DO NOTHING
 RETURNING id::text;
 
@@ -72,24 +74,37 @@ SELECT id::text, tenant, start_request_id::text, process, input, status::text
 
 -- name: node_insert
 INSERT INTO node_states (instance_id, node, activation, operation_id, status)
-VALUES (%(instance_id)s, %(node)s, %(activation)s, %(operation_id)s, 'active');
+SELECT r.instance_id, r.node, r.activation, r.operation_id, 'active'
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(instance_id uuid, node text, activation integer, operation_id uuid);
 
 -- name: operation_insert
 INSERT INTO operations (id, tenant, instance_id, node, activation, operation, route, owner,
                         principal, binding, input, lineage, attempt, digest, status, effect,
                         deadline_seconds)
-VALUES (%(id)s, %(tenant)s, %(instance_id)s, %(node)s, %(activation)s, %(operation)s, %(route)s,
-        %(owner)s, %(principal)s, %(binding)s, %(input)s, %(lineage)s, %(attempt)s, %(digest)s,
-        'pending', 'unknown', %(deadline_seconds)s);
+SELECT r.id, r.tenant, r.instance_id, r.node, r.activation, r.operation, r.route, r.owner,
+       r.principal, r.binding, r.input, r.lineage, r.attempt, r.digest, 'pending', 'unknown',
+       r.deadline_seconds
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(id uuid, tenant text, instance_id uuid, node text, activation integer,
+            operation text, route text, owner text, principal text, binding text,
+            input jsonb, lineage jsonb, attempt integer, digest text, deadline_seconds integer);
 
 -- name: attempt_insert
 INSERT INTO attempts (request_id, operation_id, attempt, kind, digest)
-VALUES (%(request_id)s, %(operation_id)s, %(attempt)s, %(kind)s, %(digest)s);
+SELECT r.request_id, r.operation_id, r.attempt, r.kind, r.digest
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(request_id uuid, operation_id uuid, attempt integer, kind text, digest text);
 
 -- name: outbox_insert
 INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
-VALUES (%(id)s, %(kind)s, %(exchange)s, %(routing_key)s, %(body)s, %(headers)s::jsonb,
-        %(operation_id)s);
+SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers::jsonb,
+       r.operation_id
+  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
+                  AS (id uuid, kind text, exchange text, routing_key text, body text,
+                      headers text, operation_id uuid))
+       WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id, n)
+ ORDER BY r.n;
 
 -- name: successor_claim
 -- The instance row is locked with the intent: cancel takes the same lock, so the status
@@ -226,8 +241,11 @@ SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_in
 -- name: receipt_record
 INSERT INTO receipt_inbox (receipt_id, operation_id, attempt, owner_revision, status,
                            content_hash, decision)
-VALUES (%(receipt_id)s, %(operation_id)s, %(attempt)s, %(owner_revision)s, %(status)s,
-        %(content_hash)s, %(decision)s)
+SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.content_hash,
+       r.decision
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(receipt_id uuid, operation_id uuid, attempt integer, owner_revision integer,
+            status text, content_hash text, decision text)
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: operation_apply
@@ -246,7 +264,11 @@ UPDATE node_states SET status = %(status)s, updated_at = now()
 
 -- name: successor_insert
 INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_node)
-VALUES (%(instance_id)s, %(from_operation_id)s, %(outcome)s, %(next_node)s)
+SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node
+  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
+                  AS (instance_id uuid, from_operation_id uuid, outcome text, next_node text))
+       WITH ORDINALITY AS r(instance_id, from_operation_id, outcome, next_node, n)
+ ORDER BY r.n
 ON CONFLICT (from_operation_id) DO NOTHING;
 
 -- name: instance_suspend
@@ -317,6 +339,14 @@ SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';
 
 -- name: operations_by_status
 SELECT status::text, count(*) AS n FROM operations GROUP BY status;
+
+-- name: operations_open_by_status
+-- The reconciler's gauge on every poll: the live operations only, through their
+-- partial index (the same predicate as operations_open); the settled ones are counted
+-- far less often (operations_by_status), as their table only grows.
+SELECT status::text, count(*) AS n FROM operations
+ WHERE status NOT IN ('succeeded', 'failed', 'cancelled')
+ GROUP BY status;
 
 -- Retention (the reconciler, custody retention): bounded deletes, one transaction each ----
 

@@ -67,6 +67,13 @@ HANDLERS: Final[Mapping[str, Mapping[str, Handler]]] = {
     "shipping": {"shipping.ship": ship},
 }
 
+# Every sample handler is a few statements on its own tables: fast enough to run in
+# the acceptance transaction (``service.serve(inline=...)``; the setting
+# ``participant_inline`` turns it off, and the executor runs them instead).
+INLINE: Final[Mapping[str, frozenset[str]]] = {
+    name: frozenset(handlers) for name, handlers in HANDLERS.items()
+}
+
 EFFECT_TABLES: Final[Mapping[str, tuple[str, ...]]] = {
     "inventory": ("reservations", "releases"),
     "payments": ("charges",),

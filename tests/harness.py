@@ -68,7 +68,13 @@ class InProcessFleet:
                 owner=worker, principal=f"custody-{worker}", bindings=frozenset({f"{worker}.v1"})
             )
             coro = service.serve(
-                me, samples.HANDLERS[worker], s, stop, health, schema=f"participant_{worker}"
+                me,
+                samples.HANDLERS[worker],
+                s,
+                stop,
+                health,
+                schema=f"participant_{worker}",
+                inline=samples.INLINE[worker] if s.participant_inline else (),
             )
         else:
             s = settings or self.env.settings

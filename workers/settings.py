@@ -51,6 +51,13 @@ class Settings:
     confirm_window: int = 64
     confirm_timeout_s: float = 10.0
     poll_interval_s: float = 1.0
+    # A participant runs its fast handlers (those it declares inline) in the acceptance
+    # transaction: acceptance, effect and terminal receipt commit together before the
+    # ack. Off: every handler runs in the executor, after acceptance.
+    participant_inline: bool = True
+    # The reconciler's gauge of settled operations counts a table that only grows: it
+    # is refreshed this often (the live statuses are counted on every poll).
+    settled_sample_s: float = 60.0
     # A successor whose instance's pinned process version is not loaded is tried again
     # after this long (the instance stays suspended until then).
     definition_retry_s: float = 30.0

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -177,12 +177,13 @@ class HeldAcceptance(service.Participant):
         receipts: Sequence[OperationReceipt],
         answers: Sequence[QueryAnswer] = (),
         unjournaled: Sequence[OperationReceipt] = (),
-        trace: Mapping[str, str] | None = None,
+        trace: Mapping[str, str | None] | None = None,
+        journal_only: Collection[str] = (),
     ) -> None:
         if receipts and not self.inside.is_set():
             self.inside.set()
             await self.release.wait()
-        await super()._emit(tx, receipts, answers, unjournaled, trace)
+        await super()._emit(tx, receipts, answers, unjournaled, trace, journal_only)
 
 
 async def _waiting_on_a_lock(env: Env, application: str) -> bool:
@@ -553,18 +554,19 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
     finally:
         await seed_db.close()
 
-    async def next_xid() -> int:
-        """The next transaction id (not consuming one): every writing transaction of
-        the cluster takes one."""
-        return int(
-            await env.scalar(
-                "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
-                participant=True,
-            )
-        )
-
     exec_db = _database(env, "inventory-exec")
     await exec_db.open()
+    opened = exec_db.transaction
+    transactions = 0
+
+    @contextlib.asynccontextmanager
+    async def counted(*args: Any, **kwargs: Any) -> AsyncIterator[db.Tx]:
+        nonlocal transactions
+        transactions += 1
+        async with opened(*args, **kwargs) as tx:
+            yield tx
+
+    exec_db.transaction = counted  # type: ignore[method-assign]
     try:
         executor = service.Participant(
             ME,
@@ -572,9 +574,7 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
             env.participant_settings("inventory"),
             exec_db,
         )
-        before = await next_xid()
         assert await executor.execute() == len(cmds)
-        used = await next_xid() - before
     finally:
         await exec_db.close()
 
@@ -593,10 +593,9 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
         participant=True,
     )
     assert journaled == len(cmds) - 1
-    # the claim and the handlers' transactions (a savepoint's writes take a
-    # subtransaction id too: 39 handlers, 39 more); one transaction per handler would
-    # take 2 ids each. The margin is for other writers of the cluster meanwhile.
-    assert used <= len(cmds) + 15, f"{used} transaction ids for {len(cmds)} handlers"
+    # the claim, then the handlers' transactions (each gathers up to 50 ms of handler
+    # time, so a loaded machine needs a few); one per handler would be 41
+    assert transactions <= 8, f"{transactions} transactions for {len(cmds)} handlers"
 
 
 async def test_an_accepted_receipt_superseded_before_it_is_sent_is_not_sent(env: Env) -> None:
@@ -648,3 +647,75 @@ async def test_an_accepted_receipt_superseded_before_it_is_sent_is_not_sent(env:
     assert [r[0] for r in journal] == [1, 2]
     published = await drain(env.settings, broker.QUEUE_RECEIPTS, timeout=0.5)
     assert published == [], "nothing is published by the executor itself"
+
+
+async def test_a_fast_handler_completes_in_its_acceptance_transaction(env: Env) -> None:
+    """ "Participant acceptance: The executor retained a recoverable operation and its
+    identity" and "Participant completion: The business effect and terminal receipt are
+    authoritative" — two durable facts, which one transaction may make durable together
+    before the ack. A participant that runs its (fast) handlers inline commits, for each
+    new command, the inbox row, the effect and the terminal receipt in the acceptance
+    transaction; the ``accepted`` receipt is journaled (a query sees it) but never sent,
+    the terminal one is. A handler that fails with a bug stays accepted, its
+    ``accepted`` receipt is sent, and the executor runs it later; a cancel in the same
+    batch settles its command before any handler runs; a repeated command is answered
+    from the journal and not run again."""
+    ok, buggy, withdrawn = submit(), submit(), submit()
+    runs: list[str] = []
+
+    async def reserve(call: Call) -> Mapping[str, Any]:
+        runs.append(call.request_id)
+        if call.request_id == buggy.request_id:
+            raise RuntimeError("a bug")
+        return await samples.reserve(call)
+
+    part_db = _database(env, "inventory-inline")
+    await part_db.open()
+    try:
+        participant = service.Participant(
+            ME,
+            {**samples.HANDLERS["inventory"], "inventory.reserve": reserve},
+            env.participant_settings("inventory"),
+            part_db,
+            inline=frozenset({"inventory.reserve"}),
+        )
+        bodies = [codec.encode(c) for c in (ok, buggy, withdrawn)]
+        bodies.append(codec.encode(_cancel(withdrawn)))
+        async with _deliveries(env, bodies) as ds:
+            assert await participant.accept(ds) == ["accepted"] * 3 + ["cancel"]
+        async with _deliveries(env, [codec.encode(ok)]) as ds:
+            assert await participant.accept(ds) == ["duplicate"]
+    finally:
+        await part_db.close()
+
+    assert sorted(runs) == sorted([ok.request_id, buggy.request_id]), "run once, cancel first"
+    statuses = {c.request_id: await _status(env, c.request_id) for c in (ok, buggy, withdrawn)}
+    assert statuses == {
+        ok.request_id: "succeeded",
+        buggy.request_id: "accepted",
+        withdrawn.request_id: "cancelled",
+    }
+    pending = {
+        str(r[0])
+        for r in await env.sql(
+            f"SELECT id FROM {SCHEMA}.outbox WHERE status = 'pending'", participant=True
+        )
+    }
+    assert identity.receipt_id(ok.request_id, 2) in pending
+    assert identity.receipt_id(ok.request_id, 1) not in pending, "accepted: journaled only"
+    assert identity.receipt_id(buggy.request_id, 1) in pending, "still to run: say accepted"
+    journal = await env.sql(
+        f"SELECT owner_revision FROM {SCHEMA}.receipts WHERE request_id = %s"
+        " ORDER BY owner_revision",
+        (ok.request_id,),
+        participant=True,
+    )
+    assert [r[0] for r in journal] == [1, 2]
+    assert (
+        await env.scalar(
+            f"SELECT count(*) FROM {SCHEMA}.reservations WHERE operation_id = ANY(%s)",
+            ([ok.operation_id, buggy.operation_id, withdrawn.operation_id],),
+            participant=True,
+        )
+        == 1
+    )

@@ -68,6 +68,7 @@ async def run_participant(settings: Settings, name: str | None) -> int:
             stop,
             health,
             schema=provision.participant_schema(name),
+            inline=samples.INLINE[name] if settings.participant_inline else (),
         ),
         metrics_port=settings.metrics_port,
         grace_s=settings.drain_grace_s,

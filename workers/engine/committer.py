@@ -13,8 +13,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import orjson
-
 from contracts import codec, identity
 from contracts.models import CancelRequest, ExecutorRoute, StartRequest
 from workers.core import activation, lifecycle, process, records, routes, tracing
@@ -163,33 +161,17 @@ class Committer:
                         "start_request_id": start.start_request_id,
                         "process": definition.name,
                         "process_version": definition.version,
-                        "input": orjson.dumps(start.input).decode(),
+                        "input": start.input,
                         "requested_by": start.requested_by,
                         "traceparent": traceparent,
-                        "routes": orjson.dumps(
-                            {k: v.model_dump(mode="json") for k, v in pinned.items()}
-                        ).decode(),
+                        "routes": {k: v.model_dump(mode="json") for k, v in pinned.items()},
                     }
                 )
                 plans.append(decided.plan)
             inserted = set()
             if instances:
-                columns = (
-                    "id",
-                    "tenant",
-                    "start_request_id",
-                    "process",
-                    "process_version",
-                    "input",
-                    "requested_by",
-                    "traceparent",
-                    "routes",
-                )
                 inserted = {
-                    r["id"]
-                    for r in await tx.rows(
-                        "instance_insert", {c: [i[c] for i in instances] for c in columns}
-                    )
+                    r["id"] for r in await tx.rows("instance_insert", {"rows": db.jsonb(instances)})
                 }
             instances = [i for i in instances if i["id"] in inserted]
             plans = [p for p in plans if p.instance_id in inserted]

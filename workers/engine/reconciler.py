@@ -9,6 +9,7 @@ same transition path (outbox, receipts) as ordinary work.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from workers import errors
@@ -29,6 +30,7 @@ class Reconciler:
         self.db = database
         self.lease = lease
         self.policy = transitions.Operator(database, lease)
+        self._settled_at: float | None = None  # when the settled counts were last taken
 
     async def resend_cancels(self) -> int:
         """Cancels left unanswered past their deadline are asked again (the operation
@@ -128,13 +130,22 @@ class Reconciler:
         return len(rows)
 
     async def sample(self) -> None:
+        """The gauges: live operations on every poll (their partial index), settled ones
+        at most every ``settled_sample_s`` (a count over the whole table)."""
+        now = time.monotonic()
+        settled = (
+            self._settled_at is None or now - self._settled_at >= self.settings.settled_sample_s
+        )
         async with self.db.transaction() as tx:
-            rows = await tx.rows("operations_by_status")
+            rows = await tx.rows("operations_by_status" if settled else "operations_open_by_status")
             backlog = await tx.one("successor_intents_pending")
         metrics.SUCCESSOR_PENDING.set(backlog["n"] if backlog else 0)
         counts = {r["status"]: r["n"] for r in rows}
+        if settled:
+            self._settled_at = now
         for status in lifecycle.Status:
-            metrics.OPERATIONS.labels(status.value).set(counts.get(status.value, 0))
+            if settled or status not in lifecycle.TERMINAL:
+                metrics.OPERATIONS.labels(status.value).set(counts.get(status.value, 0))
 
 
 async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:

@@ -128,6 +128,8 @@ class Delivery:
     # header name, a timestamp out of range, ...); such a delivery is never handled,
     # only isolated (``consumer.process`` sends it to the worker's quarantine)
     undecodable: str | None = None
+    # the consumer's unsettled deliveries (None: a delivery made outside consume())
+    _ledger: Ledger | None = None
 
     def payload(self) -> bytes:
         """The body, for a handler's decoder: a delivery whose properties could not be
@@ -155,9 +157,82 @@ class Delivery:
             if inspect.iscoroutine(action):
                 action.close()
             return
-        self.settled = True
+        self._mark_settled()
         with contextlib.suppress(*_SETTLE_ERRORS):
             await action
+
+    def _mark_settled(self) -> None:
+        self.settled = True
+        if self._ledger is not None:
+            self._ledger.settled(self._message)
+
+
+class Ledger:
+    """One consumer's deliveries not yet settled, by channel and delivery tag.
+
+    An ack with ``multiple`` settles every unsettled delivery of its channel up to its
+    tag, so it is used for a batch only when the batch is exactly those: never for a
+    delivery that was received but is not in the batch (it would be acked before its
+    commit). A channel restored after a reconnect starts its tags again; its
+    deliveries are counted under the new channel object.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, set[int]] = {}
+
+    @staticmethod
+    def _key(message: AbstractIncomingMessage) -> tuple[int, int] | None:
+        try:
+            channel = message.channel
+        except aio_pika.exceptions.ChannelInvalidStateError:
+            return None
+        tag = message.delivery_tag
+        return None if tag is None else (id(channel), tag)
+
+    def received(self, message: AbstractIncomingMessage) -> None:
+        key = self._key(message)
+        if key is not None:
+            self._open.setdefault(key[0], set()).add(key[1])
+
+    def settled(self, message: AbstractIncomingMessage) -> None:
+        key = self._key(message)
+        if key is not None:
+            self._open.get(key[0], set()).discard(key[1])
+
+    def covers(self, channel: int, tags: set[int]) -> bool:
+        """Whether ``tags`` are exactly the channel's unsettled deliveries up to their
+        highest tag (then one multiple-ack settles just them)."""
+        top = max(tags)
+        return {t for t in self._open.get(channel, ()) if t <= top} == tags
+
+
+async def ack_all(deliveries: Sequence[Delivery]) -> None:
+    """Ack a batch after its commit: one ``multiple`` ack per channel where the batch is
+    every unsettled delivery up to its highest tag (:class:`Ledger`), else one by one.
+    Deliveries settled already (dead-lettered, requeued) are skipped."""
+    groups: dict[int, list[tuple[int, Delivery]]] = {}
+    single: list[Delivery] = []
+    for d in deliveries:
+        if d.settled:
+            continue
+        key = Ledger._key(d._message) if d._ledger is not None else None
+        if key is None:
+            single.append(d)
+        else:
+            groups.setdefault(key[0], []).append((key[1], d))
+    for channel, tagged in groups.items():
+        ledger = tagged[0][1]._ledger
+        tags = {t for t, _ in tagged}
+        if len(tagged) < 2 or ledger is None or not ledger.covers(channel, tags):
+            single.extend(d for _, d in tagged)
+            continue
+        top = max(tagged, key=lambda td: td[0])[1]
+        for _, d in tagged:
+            d._mark_settled()
+        with contextlib.suppress(*_SETTLE_ERRORS):
+            await top._message.ack(multiple=True)
+    for d in single:
+        await d.ack()
 
 
 def printable(value: str) -> str:
@@ -487,9 +562,13 @@ class Broker:
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         tags: list[tuple[aio_pika.abc.AbstractQueue, str]] = []
         channel: AbstractChannel | None = None
+        ledger = Ledger()
 
         async def on_message(message: AbstractIncomingMessage) -> None:
-            await inbox.put(_delivery(message))
+            ledger.received(message)
+            delivery = _delivery(message)
+            delivery._ledger = ledger
+            await inbox.put(delivery)
 
         async def cleanup() -> None:
             for queue, tag in tags:

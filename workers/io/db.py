@@ -11,7 +11,9 @@ classification.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -54,13 +56,29 @@ else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _row_value(value: Any) -> Any:
+    """What a value of a multi-row parameter is in JSON: a jsonb value is itself, bytes
+    are base64 (the statement decodes them: ``decode(r.body, 'base64')``)."""
+    if isinstance(value, Jsonb):
+        return value.obj
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def _dumps(value: Any) -> bytes:
     """JSON for a jsonb parameter: orjson; the standard library for what orjson refuses
     and JSON allows (an integer beyond 64 bits, as a participant's result may hold)."""
     try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(value, default=_row_value, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":"), default=_std_value).encode()
+
+
+def _std_value(value: Any) -> Any:
+    if isinstance(value, (uuid.UUID, datetime.datetime, datetime.date)):
+        return str(value) if isinstance(value, uuid.UUID) else value.isoformat()
+    return _row_value(value)
 
 
 def jsonb(value: Any) -> Jsonb:
@@ -110,13 +128,20 @@ class Tx:
         return await cur.fetchone()
 
     async def run(self, name: str, params: Params = None) -> int:
+        if sql_files.takes_rows(name) and isinstance(params, Mapping):
+            return await self.run_many(name, [params])
         cur = await self._conn.execute(_q(name), params)
         return cur.rowcount
 
     async def run_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> int:
+        """One statement per row (pipelined), or, for a statement that takes
+        ``%(rows)s``, one statement for all the rows (a jsonb array of row objects)."""
         seq = list(params)
         if not seq:
             return 0
+        if sql_files.takes_rows(name):
+            cur = await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
+            return cur.rowcount
         async with self._conn.cursor() as cur:
             await cur.executemany(_q(name), seq)
             return cur.rowcount

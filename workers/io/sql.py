@@ -3,8 +3,11 @@
 Engine queries live in ``queries.sql`` (``search_path`` = custody) and participant
 queries (prefix ``p_``) in ``participant_queries.sql`` beside ``participant_schema.sql``
 (``search_path`` = the participant's schema). Each statement follows a
-``-- name: <name>`` line; a name is unique across both files. The directory is the
-``sql_dir`` setting (``CUSTODY_SQL_DIR``), read when the queries are first needed:
+``-- name: <name>`` line; a name is unique across both files. A statement whose one
+parameter is ``%(rows)s`` takes all its rows at once, as a jsonb array of row objects
+(``jsonb_to_recordset``): :meth:`workers.io.db.Tx.run_many` sends one statement. The
+directory is the ``sql_dir`` setting (``CUSTODY_SQL_DIR``), read when the queries are
+first needed:
 importing this module reads neither the environment nor a file.
 """
 
@@ -109,6 +112,14 @@ def queries() -> Mapping[str, str]:
                 _queries = _load(directory())
             loaded = _queries
     return loaded
+
+
+def takes_rows(name: str) -> bool:
+    """Whether the statement takes all its rows at once in ``%(rows)s``."""
+    return ROWS in query(name)
+
+
+ROWS = "%(rows)s"
 
 
 def query(name: str) -> LiteralString:

@@ -10,6 +10,12 @@ It owns two commit boundaries in the participant's own database:
   transaction up to a small time budget (the batch is *claimed* in a short
   transaction of its own: acceptance never waits behind a running handler).
 
+A participant may declare some operations *inline*: handlers fast enough to run in
+the acceptance transaction itself. Both durable facts then commit together before the
+ack (inbox row, effect, terminal receipt); the ``accepted`` receipt is journaled but
+never sent. A handler that fails with a bug, or meets a transient conflict, leaves
+its command accepted for the executor, as if it had not been inline.
+
 A repeated command with the same digest gets the existing receipt again (same id,
 same bytes) and never runs the handler again; the same identity with a different
 digest is a conflict, recorded and answered, never executed. Receipts leave through
@@ -21,12 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-
-import orjson
 
 from contracts import codec, identity
 from contracts.models import (
@@ -142,10 +146,13 @@ class Participant:
         settings: Settings,
         database: db.Database,
         cancel_hooks: Mapping[str, CancelHook] | None = None,
+        inline: Collection[str] = (),
     ) -> None:
         self.me = me
         self.handlers = dict(handlers)
         self.cancel_hooks = dict(cancel_hooks or {})
+        # operations whose handlers are fast enough to run in the acceptance transaction
+        self.inline = frozenset(inline)
         self.settings = settings
         self.db = database
         # This executor's claims. One execute() at a time per instance (serve runs one
@@ -281,18 +288,69 @@ class Participant:
                     reemit.append(c.submit_request_id)
                 else:
                     receipts.append(receipt)
+            done, overtaken = await self._complete_inline(tx, fresh, receipts, trace)
             # journal first: a query in the same batch sees what this batch accepted
-            await self._emit(tx, receipts, unjournaled=conflict_answers, trace=trace)
+            await self._emit(
+                tx,
+                [*receipts, *done],
+                unjournaled=conflict_answers,
+                trace=trace,
+                journal_only=overtaken,
+            )
             await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
             await tx.run_many("p_refused_insert", [r.params() for r in refused])
+        if done:
+            faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
         for r in refused:
             metrics.quarantined(f"participant.{self.me.owner}", r.reason)
         return [d.value for d in decisions]
+
+    async def _complete_inline(
+        self,
+        tx: db.Tx,
+        fresh: Sequence[tuple[SubmitCommand, str, str]],
+        receipts: Sequence[OperationReceipt],
+        trace: Mapping[str, str | None],
+    ) -> tuple[list[OperationReceipt], set[str]]:
+        """Run the handlers of the batch's new commands whose operations are ``inline``,
+        in this acceptance transaction (each in a savepoint), so that acceptance, effect
+        and terminal receipt commit together before the ack. Returns the terminal
+        receipts and the ids of the ``accepted`` receipts they overtake (journaled, not
+        sent). A command cancelled in this batch does not run; one whose handler failed
+        with a bug or hit a transient conflict stays accepted for the executor."""
+        if not self.inline:
+            return [], set()
+        cancelled = {r.request_id for r in receipts if r.status == "cancelled"}
+        done: list[OperationReceipt] = []
+        for c, status, _ in fresh:
+            if (
+                status != acceptance.Verdict.ACCEPTED.value
+                or c.operation not in self.inline
+                or c.request_id in cancelled
+            ):
+                continue
+            row = {
+                **_cmd(c),
+                "operation": c.operation,
+                "digest": c.digest,
+                "command": c.model_dump(mode="json"),
+                "owner_revision": 1,
+                "executions": 0,
+                "traceparent": trace.get(c.request_id),
+            }
+            try:
+                receipt = await self._run_one(tx, row)
+            except _Conflict:
+                continue  # the executor runs it again (its row is accepted, unclaimed)
+            if receipt is not None:
+                done.append(receipt)
+        await _complete(tx, done)
+        return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
         self, tx: db.Tx, offered: Sequence[SubmitCommand], trace: Mapping[str, str | None]
@@ -303,17 +361,24 @@ class Participant:
         rows = await tx.rows(
             "p_inbox_accept",
             {
-                "request_id": [c.request_id for c in offered],
-                "tenant": [c.tenant for c in offered],
-                "operation_id": [c.operation_id for c in offered],
-                "attempt": [c.attempt for c in offered],
-                "operation": [c.operation for c in offered],
-                "digest": [c.digest for c in offered],
-                "command": [orjson.dumps(c.model_dump(mode="json")).decode() for c in offered],
-                "status": [acceptance.admission(c, self.handlers)[0].value for c in offered],
-                "effect": ["none" for _ in offered],
-                "owner_revision": [1 for _ in offered],
-                "traceparent": [trace.get(c.request_id) for c in offered],
+                "rows": db.jsonb(
+                    [
+                        {
+                            "request_id": c.request_id,
+                            "tenant": c.tenant,
+                            "operation_id": c.operation_id,
+                            "attempt": c.attempt,
+                            "operation": c.operation,
+                            "digest": c.digest,
+                            "command": c.model_dump(mode="json"),
+                            "status": acceptance.admission(c, self.handlers)[0].value,
+                            "effect": "none",
+                            "owner_revision": 1,
+                            "traceparent": trace.get(c.request_id),
+                        }
+                        for c in offered
+                    ]
+                )
             },
         )
         return {r["request_id"] for r in rows}
@@ -463,9 +528,11 @@ class Participant:
         receipts: Sequence[OperationReceipt],
         answers: Sequence[QueryAnswer] = (),
         unjournaled: Sequence[OperationReceipt] = (),
-        trace: Mapping[str, str] | None = None,
+        trace: Mapping[str, str | None] | None = None,
+        journal_only: Collection[str] = (),
     ) -> None:
-        """Journal our receipts (they answer later queries) and queue everything we say."""
+        """Journal our receipts (they answer later queries) and queue everything we say
+        (but the receipts in ``journal_only``, overtaken before they could be sent)."""
         bodies = [(r, codec.encode(r)) for r in receipts]
         await tx.run_many(
             "p_receipt_insert",
@@ -482,11 +549,12 @@ class Participant:
         trace = trace or {}
 
         def tp(*keys: str) -> str | None:
-            return next((trace[k] for k in keys if k in trace), None)
+            return next((trace[k] for k in keys if trace.get(k)), None)
 
         rows = [
             _outbox_row(r.receipt_id, b, r.operation_id, tp(r.in_reply_to, r.request_id))
             for r, b in bodies
+            if r.receipt_id not in journal_only
         ]
         rows += [
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
@@ -565,6 +633,7 @@ class Participant:
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
+            await _complete(tx, [r for r, _ in receipts])
             await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.run_many(
                 "p_outbox_supersede",
@@ -623,17 +692,8 @@ class Participant:
             await tx.run("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
             return None
         status, effect, result, error = done.status, done.effect, done.result, done.error
-        await tx.run(
-            "p_exec_complete",
-            {
-                "request_id": row["request_id"],
-                "status": status,
-                "effect": effect,
-                "owner_revision": revision,
-                "result": db.jsonb(result) if result is not None else None,
-                "error": db.jsonb(error.model_dump()) if error else None,
-            },
-        )
+        # the inbox row is completed with the batch's other ones (_complete), from this
+        # receipt, in the same transaction: its lock is held until then
         return _receipt(
             row,
             self.me,
@@ -645,6 +705,28 @@ class Participant:
             result=result,
             error=error,
         )
+
+
+async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
+    """The inbox rows of these terminal receipts take their status, effect, revision,
+    result and error, in one statement (each row is locked by this transaction and
+    still accepted: inserted by it, or re-checked under its lock by the executor)."""
+    changed = await tx.run_many(
+        "p_exec_complete",
+        [
+            {
+                "request_id": r.request_id,
+                "status": r.status,
+                "effect": r.effect,
+                "owner_revision": r.owner_revision,
+                "result": r.result,
+                "error": r.error.model_dump() if r.error else None,
+            }
+            for r in receipts
+        ],
+    )
+    if changed != len(receipts):
+        raise errors.RowChanged(f"{len(receipts) - changed} inbox rows changed under their lock")
 
 
 def _cmd(c: SubmitCommand) -> dict[str, Any]:
@@ -669,8 +751,10 @@ async def serve(
     *,
     schema: str,
     cancel_hooks: Mapping[str, CancelHook] | None = None,
+    inline: Collection[str] = (),
 ) -> None:
-    """Run a participant: acceptance consumer, executor and receipt publisher."""
+    """Run a participant: acceptance consumer, executor and receipt publisher.
+    ``inline``: operations whose handlers run in the acceptance transaction."""
     database = db.Database(
         settings.participant_database_url, schema=schema, name=me.owner, max_size=4
     )
@@ -685,7 +769,7 @@ async def serve(
     await amqp.connect()
     health.checks["broker"] = lambda: amqp.connected
     health.checks["database"] = lambda: database.healthy
-    part = Participant(me, handlers, settings, database, cancel_hooks)
+    part = Participant(me, handlers, settings, database, cancel_hooks, inline)
     exec_waker = supervisor.Waker(settings.poll_interval_s)
     pub_waker = supervisor.Waker(settings.poll_interval_s)
     pub = outbox.OutboxPublisher(

@@ -70,8 +70,7 @@ async def run(
                         on_fenced=on_fenced,
                         dead=dead,
                     )
-                    for d in batch:
-                        await d.ack()  # a dead-lettered delivery is settled already
+                    await broker.ack_all(batch)  # a dead-lettered one is settled already
                     after_commit()
             return
         except errors.BrokerError as exc:
