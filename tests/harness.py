@@ -53,7 +53,14 @@ class InProcessFleet:
     env: Any  # tests.conftest.Env
     running: list[Running] = field(default_factory=list)
 
-    def start(self, worker: str, settings: Settings | None = None) -> Running:
+    def start(
+        self,
+        worker: str,
+        settings: Settings | None = None,
+        handlers: Mapping[str, service.Handler] | None = None,
+    ) -> Running:
+        """Start one worker in this event loop; a participant runs the sample handlers,
+        or ``handlers``."""
         stop = supervisor.Stop(grace_s=10)
         health = probes.Health()
         if worker in PARTICIPANTS:
@@ -69,7 +76,7 @@ class InProcessFleet:
             )
             coro = service.serve(
                 me,
-                samples.HANDLERS[worker],
+                handlers or samples.HANDLERS[worker],
                 s,
                 stop,
                 health,

@@ -38,11 +38,14 @@ class Crew:
     def __repr__(self) -> str:
         return f"Crew({', '.join(self.fleet.alive())})"
 
-    def start(self, worker: str, *, crash: str | None = None) -> Proc:
-        """Start one engine worker or participant (by participant name). Only a process
-        started with ``crash`` carries the crash-point variable."""
+    def start(
+        self, worker: str, *, crash: str | None = None, env: Mapping[str, str] | None = None
+    ) -> Proc:
+        """Start one engine worker or participant (by participant name), with ``env``
+        added to its environment. Only a process started with ``crash`` carries the
+        crash-point variable."""
         assert CRASH_ENV not in os.environ, f"the test process must not export {CRASH_ENV}"
-        extra: dict[str, str] = {}
+        extra: dict[str, str] = dict(env or {})
         if crash:
             extra[CRASH_ENV] = crash
         if worker in PARTICIPANTS:

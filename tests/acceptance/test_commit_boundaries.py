@@ -169,14 +169,20 @@ async def test_participant_acceptance_killed_before_ack_returns_stored_receipt(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "executor"])
 async def test_participant_completion_killed_mid_effect_rolls_back_and_executes_once(
-    env: Env, crew: Crew
+    env: Env, crew: Crew, inline: bool
 ) -> None:
     """Participant completion: "The business effect and terminal receipt are
     authoritative" — they commit together or not at all. The inventory participant
     SIGKILLed inside a handler, before COMMIT: the effect rolls back with the receipt,
-    and the restarted participant executes each command once (FAULTS 5)."""
-    doomed = crew.start("inventory", crash="mid_effect")
+    and the restarted participant executes each command once (FAULTS 5). A handler run
+    by the executor dies after its command's acceptance committed (the inbox holds it,
+    accepted); an inline handler dies inside the acceptance transaction, which rolls
+    back whole: nothing of that batch was retained, its deliveries were never acked,
+    and the broker delivers them again."""
+    mode = {"CUSTODY_PARTICIPANT_INLINE": "true" if inline else "false"}
+    doomed = crew.start("inventory", crash="mid_effect", env=mode)
     crew.start_all(skip=["inventory"])
     await _start(env)
     await crew.wait_killed(doomed)
@@ -184,8 +190,11 @@ async def test_participant_completion_killed_mid_effect_rolls_back_and_executes_
     inbox = await env.sql(
         "SELECT status, count(*) FROM participant_inventory.inbox GROUP BY 1", participant=True
     )
-    assert inbox, "the acceptance of the killed participant did not commit"
-    assert dict(inbox).keys() == {"accepted"}, f"inventory inbox: {inbox}"
+    if inline:
+        assert not inbox, f"an inline acceptance committed without its effect: {inbox}"
+    else:
+        assert inbox, "the acceptance of the killed participant did not commit"
+        assert dict(inbox).keys() == {"accepted"}, f"inventory inbox: {inbox}"
     assert (
         await count(
             env, "SELECT count(*) FROM participant_inventory.reservations", participant=True
@@ -209,7 +218,7 @@ async def test_participant_completion_killed_mid_effect_rolls_back_and_executes_
         == 0
     )
 
-    assert_clean(crew.start("inventory"))
+    assert_clean(crew.start("inventory", env=mode))
     await _settle(env, crew)
     await assert_durable_happy_end(env, N)
 

@@ -252,7 +252,9 @@ async def test_a_participants_receipt_continues_the_commands_trace(env: Env, cre
             got = await spy.get(no_ack=True, fail=False)
             if got is not None:
                 receipts.append(got)
-            return got is None and len(receipts) >= 6
+            # one terminal receipt per operation (the samples' handlers run inline:
+            # their accepted receipts are journaled, not sent)
+            return got is None and len(receipts) >= 3
 
         await crew.wait(drained, timeout=20, what="the receipts on the spy queue")
     finally:

@@ -664,9 +664,22 @@ async def test_every_status_change_the_engine_writes_is_a_transition_of_the_tabl
     (successes, a declined charge and its compensation, a retry by policy, a deadline,
     a reconcile and a cancel), every ``operation.<status>`` history event is, from the
     status before it, a transition of ``lifecycle.TRANSITIONS``, its recorded ``from``
-    is that status, and the history ends in each operation's stored status."""
+    is that status, and the history ends in each operation's stored status. Shipping
+    runs a slow handler in the executor (not inline), so that its commands are answered
+    ``accepted`` well before their terminal receipt and that transition is written
+    too."""
     use_processes(env, tmp_path, deadline_s=2)
-    fleet.start_all()
+
+    async def slow_ship(call: service.Call) -> Mapping[str, Any]:
+        await asyncio.sleep(0.5)
+        return await samples.ship(call)
+
+    fleet.start_all(participants=["inventory", "payments"])
+    fleet.start(
+        "shipping",
+        dataclasses.replace(env.participant_settings("shipping"), participant_inline=False),
+        handlers={"shipping.ship": slow_ship},
+    )
     await publish_starts(
         env.settings, [order(1), order(2, amount_cents=500_000), order(3, flaky=True)]
     )
