@@ -57,6 +57,10 @@ def proc_state(proc: Proc) -> str:
         return ""
     return stat.rsplit(")", 1)[1].split()[0]
 
+# Participants run their handlers inline (in the acceptance transaction), but for these,
+# which run them in the executor after acceptance: both paths are under the faults.
+EXECUTOR_MODE = frozenset({"shipping"})
+
 
 @dataclass
 class Slot:
@@ -111,7 +115,10 @@ class World:
 
     def spawn(self, worker: str, extra_env: Mapping[str, str] | None = None) -> Proc:
         if worker in PARTICIPANTS:
-            return self.fleet.start("participant", name=worker, extra_env=extra_env)
+            mode = {"CUSTODY_PARTICIPANT_INLINE": "false"} if worker in EXECUTOR_MODE else {}
+            return self.fleet.start(
+                "participant", name=worker, extra_env={**mode, **(extra_env or {})}
+            )
         return self.fleet.start(worker, extra_env=extra_env)
 
     def start_fleet(self, replicated_participant: str) -> None:
