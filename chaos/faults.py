@@ -57,6 +57,7 @@ def proc_state(proc: Proc) -> str:
         return ""
     return stat.rsplit(")", 1)[1].split()[0]
 
+
 # Participants run their handlers inline (in the acceptance transaction), but for these,
 # which run them in the executor after acceptance: both paths are under the faults.
 EXECUTOR_MODE = frozenset({"shipping"})
