@@ -442,8 +442,9 @@ class Report:
         lines += [
             "- *operations/s (burst)*: all the workflows submitted at once, from the first"
             " submit to the last effect (database clock). An operation is one step of a"
-            " workflow: for custody one call to a participant (submit, `accepted`, terminal"
-            " receipt, each through an outbox; an order-fulfilment instance averages"
+            " workflow: for custody one call to a participant (a submit and a terminal"
+            " receipt, each through an outbox, and an `accepted` receipt when the handler"
+            " runs after acceptance; an order-fulfilment instance averages"
             f" {head.ops / max(head.instances, 1):.2f}), for Celery one task, for pgqueuer"
             " one job, for the baseline one command and its reply.",
             "- *CPU ms / operation*: CPU time in the burst window of the system's processes,"
@@ -536,8 +537,9 @@ class Report:
         lines += [
             "",
             "An operation is one call to a participant: for the baseline a command and its"
-            " reply; for custody a submit command, an `accepted` and a terminal receipt,"
-            " each through an outbox, applied with validation and history; for a peer one"
+            " reply; for custody a submit command and a terminal receipt (and an `accepted`"
+            " receipt when the handler runs after acceptance), each through an outbox,"
+            " applied with validation and history; for a peer one"
             " step of a workflow (a task, a job) with its effect row. Baseline"
             f" window: first outbox insert to last reply applied ({b.warmup} warm-up"
             " operations before it). Custody window: the first start request published"
