@@ -65,6 +65,21 @@ async def _deliveries(env: Env, bodies: Sequence[bytes]) -> AsyncIterator[list[b
                 await d.ack()
 
 
+async def _accepted_together(env: Env, cmds: Sequence[Any]) -> None:
+    """Accept ``cmds`` in one acceptance transaction of a seeding participant (no
+    executor runs), so that an executor later claims them in one batch."""
+    seed_db = _database(env, "inventory-seed")
+    await seed_db.open()
+    try:
+        seeder = service.Participant(
+            ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
+        )
+        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
+            assert await seeder.accept(ds) == ["accepted"] * len(cmds)
+    finally:
+        await seed_db.close()
+
+
 async def _outbox(env: Env) -> list[Any]:
     rows = await env.sql(f"SELECT body FROM {SCHEMA}.outbox", participant=True)
     return [codec.decode_receipt(bytes(r[0])) for r in rows]
@@ -315,16 +330,7 @@ async def test_a_slow_handler_does_not_block_acceptance_of_a_cancel_or_a_new_sub
 
     one, two, late = submit(), submit(), submit()
     # one and two accepted in one transaction, so the executor claims them in one batch
-    seed_db = _database(env, "inventory-seed")
-    await seed_db.open()
-    try:
-        seeder = service.Participant(
-            ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
-        )
-        async with _deliveries(env, [codec.encode(one), codec.encode(two)]) as ds:
-            assert await seeder.accept(ds) == ["accepted", "accepted"]
-    finally:
-        await seed_db.close()
+    await _accepted_together(env, [one, two])
 
     async def op_status(cmd: Any) -> str | None:
         return await _status(env, cmd.request_id)
@@ -543,16 +549,7 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
             raise RuntimeError("a bug after the effect")
         return await samples.reserve(call)
 
-    seed_db = _database(env, "inventory-seed")
-    await seed_db.open()
-    try:
-        seeder = service.Participant(
-            ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), seed_db
-        )
-        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
-            assert await seeder.accept(ds) == ["accepted"] * len(cmds)
-    finally:
-        await seed_db.close()
+    await _accepted_together(env, cmds)
 
     exec_db = _database(env, "inventory-exec")
     await exec_db.open()
