@@ -63,9 +63,12 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         raise DecodeError("schema", "top level must be a JSON object")
     if "type" not in raw or (isinstance(raw.get("receipt"), dict) and "type" not in raw["receipt"]):
         raise DecodeError("unknown_type", "no type: the version is refused, not guessed")
-    if _depth(raw) > MAX_DEPTH + 4:
+    # Each walk over the parsed tree is skipped when the raw bytes already rule its
+    # finding out: nesting needs an opening bracket per level, and JSON can carry
+    # U+0000 only as the escape ``\u0000`` (a raw control byte is malformed JSON).
+    if _may_nest(body) and _depth(raw) > MAX_DEPTH + 4:
         raise DecodeError("non_canonical_value", f"nested deeper than {MAX_DEPTH} levels")
-    if _has_nul(raw):
+    if b"\\u0000" in body and _has_nul(raw):
         # Postgres text and jsonb cannot hold U+0000: refuse it here, with a reason,
         # rather than let it fail a whole batch's transaction later.
         raise DecodeError("non_canonical_value", "a string contains U+0000")
@@ -79,6 +82,11 @@ def _decode(adapter: TypeAdapter[Any], body: bytes, max_bytes: int) -> Any:
         if "non_canonical_value" in kinds:
             raise DecodeError("non_canonical_value", _summary(errors)) from None
         raise DecodeError("schema", _summary(errors)) from None
+
+
+def _may_nest(body: bytes) -> bool:
+    """False when the body has too few brackets to nest deeper than the limit."""
+    return body.count(b"{") + body.count(b"[") > MAX_DEPTH + 4
 
 
 def _depth(value: Any) -> int:

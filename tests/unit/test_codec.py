@@ -580,3 +580,41 @@ def test_corrupted_bytes_never_raise_anything_but_decode_error(
         at = data.draw(st.integers(0, len(body) - 1))
         body[at] = data.draw(st.integers(0, 255))
     assert outcome(decode, bytes(body)) in (None, *REASONS)
+
+
+# The decoder skips its walks over the parsed tree when the raw bytes rule their
+# finding out (too few brackets to nest too deep; no ``\u0000`` escape): the
+# decisions must be the ones the walks make.
+
+
+def test_the_text_of_a_nul_escape_is_not_a_nul() -> None:
+    """An escaped backslash before ``u0000`` is six ordinary characters."""
+    message = raw(submit())
+    message["input"]["note"] = "\\u0000"
+    body = orjson.dumps(message)
+    assert b"\\\\u0000" in body
+    assert codec.decode_command(body).input["note"] == "\\u0000"
+
+
+def test_a_nul_in_a_key_is_refused_as_non_canonical() -> None:
+    message = raw(submit())
+    message["input"]["a\x00b"] = 1
+    body = orjson.dumps(message)
+    assert b"\\u0000" in body
+    assert reason_of(codec.decode_command, body) == "non_canonical_value"
+
+
+def test_many_shallow_brackets_are_walked_and_accepted() -> None:
+    """More brackets than the depth limit, none of them deep: the walk runs and passes."""
+    message = raw(start())
+    message["input"] = {"lines": [{"sku": f"S{i}", "qty": [i]} for i in range(40)]}
+    body = orjson.dumps(message)
+    assert body.count(b"{") + body.count(b"[") > digest.MAX_DEPTH + 4
+    assert codec.decode_start(body).input == message["input"]
+
+
+@pytest.mark.parametrize("depth", [digest.MAX_DEPTH + 1, 40, 100])
+def test_nesting_too_deep_inside_a_list_of_objects_is_refused(depth: int) -> None:
+    message = raw(start())
+    message["input"] = {"lines": [{"x": nested_lists(depth)}]}
+    assert reason_of(codec.decode_start, orjson.dumps(message)) == "non_canonical_value"
