@@ -118,6 +118,8 @@ class Tx:
 
     def __init__(self, conn: psycopg.AsyncConnection[Row]) -> None:
         self._conn = conn
+        self._savepoints = 0  # savepoints open (nesting depth)
+        self._unreleased: int | None = None  # the depth of a finished, unreleased one
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         cur = await self._conn.execute(_q(name), params)
@@ -153,8 +155,34 @@ class Tx:
 
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
-        async with self._conn.transaction():
+        """A savepoint: an error inside rolls back only what was done inside, and is
+        raised. A savepoint that finished is released lazily, by the next one at its
+        depth (in the same round trip) or by the commit: one round trip per savepoint
+        instead of two, for the executor's and the inline handlers' batches."""
+        depth = self._savepoints
+        name = _SAVEPOINTS[depth] if depth < len(_SAVEPOINTS) else None
+        if name is None:
+            raise errors.CustodyError(f"savepoints nested deeper than {len(_SAVEPOINTS)}")
+        if self._unreleased == depth:
+            await self._conn.execute(sql.SQL("RELEASE SAVEPOINT {0}; SAVEPOINT {0}").format(name))
+        else:
+            await self._conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+        self._unreleased = None
+        self._savepoints = depth + 1
+        try:
             yield
+        except BaseException:
+            self._savepoints, self._unreleased = depth, None
+            await self._conn.execute(
+                sql.SQL("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}").format(name)
+            )
+            raise
+        # released with the next one at this depth, or with everything at commit (a
+        # RELEASE of an outer savepoint releases this one too)
+        self._savepoints, self._unreleased = depth, depth
+
+
+_SAVEPOINTS: Final = tuple(sql.Identifier(f"custody_sp_{i}") for i in range(8))
 
 
 def _q(name: str) -> LiteralString:

@@ -1,0 +1,120 @@
+"""The savepoint each handler runs in (workers/io/db.py ``Tx.savepoint``), on the real
+Postgres.
+
+The seed: "The participant commits the business effect and the terminal receipt
+together" — and a handler that fails leaves no effect. Each handler of a batch runs
+in its own savepoint, so a failure rolls back that handler's writes only. The
+savepoint is released lazily (with the next one at its depth, or by the commit),
+which saves a round trip per handler; these tests pin that the lazy release changes
+nothing a handler or its batch can see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from tests.conftest import Env
+from workers.io import db
+
+
+class _HandlerBug(Exception):
+    pass
+
+
+def _simple_queries(trace: str) -> int:
+    """Statements sent by the simple query protocol in a libpq protocol trace: the
+    savepoint statements (a handler's own statements are bound: Parse/Bind/Execute)."""
+    return sum(1 for line in trace.splitlines() if line.split("\t")[1:4:2] == ["F", "Query"])
+
+
+async def _table(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute("CREATE TEMP TABLE effects (n int)")
+    await conn.commit()
+
+
+async def _effects(conn: psycopg.AsyncConnection[Any]) -> list[int]:
+    cur = await conn.execute("SELECT coalesce(array_agg(n ORDER BY n), '{}') AS n FROM effects")
+    row = await cur.fetchone()
+    assert row is not None
+    return list(row["n"])
+
+
+async def test_a_failing_handler_rolls_back_its_own_writes_only(env: Env) -> None:
+    """Handlers 0, 3, 6, 9 fail after writing (one with a database error that aborts
+    its subtransaction); the batch commits the others' effects, each once."""
+    async with await psycopg.AsyncConnection.connect(
+        env.settings.database_url, row_factory=dict_row
+    ) as conn:
+        await _table(conn)
+        async with conn.transaction():
+            tx = db.Tx(conn)
+            for i in range(10):
+                try:
+                    async with tx.savepoint():
+                        await conn.execute("INSERT INTO effects VALUES (%s)", (i,))
+                        if i == 3:
+                            await conn.execute("SELECT 1 / 0")
+                        elif i % 3 == 0:
+                            raise RuntimeError("a handler bug")
+                except (RuntimeError, psycopg.errors.DivisionByZero):
+                    pass
+        assert await _effects(conn) == [1, 2, 4, 5, 7, 8]
+
+
+async def test_a_savepoint_inside_a_handler_is_its_own(env: Env) -> None:
+    """A handler may use a savepoint of its own: its failure rolls back the inner
+    writes only, and the handler's savepoint is not released by it."""
+    async with await psycopg.AsyncConnection.connect(
+        env.settings.database_url, row_factory=dict_row
+    ) as conn:
+        await _table(conn)
+        async with conn.transaction():
+            tx = db.Tx(conn)
+            async with tx.savepoint():
+                await conn.execute("INSERT INTO effects VALUES (1)")
+                async with tx.savepoint():
+                    await conn.execute("INSERT INTO effects VALUES (2)")
+                with contextlib.suppress(_HandlerBug):
+                    async with tx.savepoint():
+                        await conn.execute("INSERT INTO effects VALUES (3)")
+                        raise _HandlerBug
+                await conn.execute("INSERT INTO effects VALUES (4)")
+            with contextlib.suppress(_HandlerBug):
+                async with tx.savepoint():
+                    await conn.execute("INSERT INTO effects VALUES (5)")
+                    async with tx.savepoint():
+                        await conn.execute("INSERT INTO effects VALUES (6)")
+                    raise _HandlerBug  # rolls back 5 and its finished inner savepoint, 6
+            async with tx.savepoint():
+                await conn.execute("INSERT INTO effects VALUES (7)")
+        assert await _effects(conn) == [1, 2, 4, 7]
+
+
+async def test_a_batch_of_handlers_costs_one_round_trip_per_savepoint(
+    env: Env, tmp_path: Path
+) -> None:
+    """N handlers cost N savepoint round trips (the release travels with the next
+    savepoint, or with the commit), not 2N."""
+    n = 20
+    trace = tmp_path / "libpq.trace"
+    async with await psycopg.AsyncConnection.connect(
+        env.settings.database_url, row_factory=dict_row
+    ) as conn:
+        await _table(conn)
+        async with conn.transaction():
+            tx = db.Tx(conn)
+            with trace.open("w") as out:
+                conn.pgconn.trace(out.fileno())
+                try:
+                    for i in range(n):
+                        async with tx.savepoint():
+                            await conn.execute("INSERT INTO effects VALUES (%s)", (i,))
+                finally:
+                    conn.pgconn.untrace()
+        assert _simple_queries(trace.read_text()) == n
+        assert await _effects(conn) == list(range(n))
