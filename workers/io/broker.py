@@ -46,12 +46,13 @@ from contracts import codec
 from contracts.models import StartRequest
 from workers import errors
 from workers.core import amqp_url, backoff, commands
-from workers.io import amqp_frames, startup
+from workers.io import amqp_frames, amqp_writes, startup
 from workers.settings import Settings
 
 # pamqp decodes short strings strictly and aiormq closes the connection on any decode
 # error: a publisher's invalid UTF-8 would take every consumer of a queue down
 amqp_frames.install()
+amqp_writes.install()
 
 EXCHANGE_COMMANDS: Final = commands.EXCHANGE_COMMANDS
 EXCHANGE_RECEIPTS: Final = "custody.receipts"
@@ -623,27 +624,37 @@ class Publisher:
     async def publish_many(self, items: Sequence[Outgoing]) -> list[Outcome]:
         """Publish all; each outcome is ok only on a positive, non-returned confirm."""
         try:
-            channel = await self._ready()
+            underlay = await (await self._ready()).get_underlay_channel()
         except Exception as exc:
             if not is_transport_error(exc):
                 raise
             return [Outcome(i.message_id, False, f"channel: {exc}") for i in items]
-        return list(await asyncio.gather(*(self._one(channel, i) for i in items)))
+        assert isinstance(underlay, aiormq.Channel)
+        return list(await asyncio.gather(*(self._one(underlay, i) for i in items)))
 
-    async def _one(self, channel: AbstractChannel, item: Outgoing) -> Outcome:
-        message = aio_pika.Message(
-            item.body,
-            message_id=item.message_id,
+    async def _one(self, channel: aiormq.Channel, item: Outgoing) -> Outcome:
+        # aiormq's own publish on the confirm channel that aio-pika keeps (and restores
+        # after a reconnect), with the properties aio-pika's Message would send. Not
+        # waiting for the socket drain (wait=False) lets the publishes of a window
+        # leave in one write (amqp_writes); the window bounds what is in flight.
+        properties = spec.Basic.Properties(
             content_type="application/json",
-            delivery_mode=DeliveryMode.PERSISTENT,
+            delivery_mode=DeliveryMode.PERSISTENT.value,
             headers=dict(item.headers),
+            message_id=item.message_id,
+            priority=0,
             user_id=self._user_id,
         )
         async with self._window:
             try:
-                exchange = await channel.get_exchange(item.exchange, ensure=False)
-                confirm = await exchange.publish(
-                    message, item.routing_key, mandatory=True, timeout=self._timeout_s
+                confirm = await channel.basic_publish(
+                    item.body,
+                    exchange=item.exchange,
+                    routing_key=item.routing_key,
+                    properties=properties,
+                    mandatory=True,
+                    timeout=self._timeout_s,
+                    wait=False,
                 )
             except aio_pika.exceptions.PublishError as exc:
                 return Outcome(item.message_id, False, f"returned: {exc}")
