@@ -12,6 +12,7 @@ nothing a handler or its batch can see.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,23 @@ async def _table(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.commit()
 
 
+@contextlib.asynccontextmanager
+async def _effects_table(env: Env) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A connection with an empty table of effects."""
+    async with await psycopg.AsyncConnection.connect(
+        env.settings.database_url, row_factory=dict_row
+    ) as conn:
+        await _table(conn)
+        yield conn
+
+
+@contextlib.asynccontextmanager
+async def _batch(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[db.Tx]:
+    """The transaction of a batch of handlers; it commits on leaving."""
+    async with conn.transaction():
+        yield db.Tx(conn)
+
+
 async def _effects(conn: psycopg.AsyncConnection[Any]) -> list[int]:
     cur = await conn.execute("SELECT coalesce(array_agg(n ORDER BY n), '{}') AS n FROM effects")
     row = await cur.fetchone()
@@ -47,12 +65,8 @@ async def _effects(conn: psycopg.AsyncConnection[Any]) -> list[int]:
 async def test_a_failing_handler_rolls_back_its_own_writes_only(env: Env) -> None:
     """Handlers 0, 3, 6, 9 fail after writing (one with a database error that aborts
     its subtransaction); the batch commits the others' effects, each once."""
-    async with await psycopg.AsyncConnection.connect(
-        env.settings.database_url, row_factory=dict_row
-    ) as conn:
-        await _table(conn)
-        async with conn.transaction():
-            tx = db.Tx(conn)
+    async with _effects_table(env) as conn:
+        async with _batch(conn) as tx:
             for i in range(10):
                 try:
                     async with tx.savepoint():
@@ -69,12 +83,8 @@ async def test_a_failing_handler_rolls_back_its_own_writes_only(env: Env) -> Non
 async def test_a_savepoint_inside_a_handler_is_its_own(env: Env) -> None:
     """A handler may use a savepoint of its own: its failure rolls back the inner
     writes only, and the handler's savepoint is not released by it."""
-    async with await psycopg.AsyncConnection.connect(
-        env.settings.database_url, row_factory=dict_row
-    ) as conn:
-        await _table(conn)
-        async with conn.transaction():
-            tx = db.Tx(conn)
+    async with _effects_table(env) as conn:
+        async with _batch(conn) as tx:
             async with tx.savepoint():
                 await conn.execute("INSERT INTO effects VALUES (1)")
                 async with tx.savepoint():
@@ -102,12 +112,8 @@ async def test_a_batch_of_handlers_costs_one_round_trip_per_savepoint(
     savepoint, or with the commit), not 2N."""
     n = 20
     trace = tmp_path / "libpq.trace"
-    async with await psycopg.AsyncConnection.connect(
-        env.settings.database_url, row_factory=dict_row
-    ) as conn:
-        await _table(conn)
-        async with conn.transaction():
-            tx = db.Tx(conn)
+    async with _effects_table(env) as conn:
+        async with _batch(conn) as tx:
             with trace.open("w") as out:
                 conn.pgconn.trace(out.fileno())
                 try:
