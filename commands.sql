@@ -1,6 +1,6 @@
 -- custody executor commands in SQL: the pure building blocks of the operator recovery
 -- functions (SECURITY DEFINER, so that an operator role cannot hand-edit rows). They
--- build the same commands workers/adapter.py builds: same identities (contracts/
+-- build the same commands workers/core/commands.py builds: same identities (contracts/
 -- identity.py), same semantic digest (contracts/digest.py, custody.digest.v1), same
 -- attempts and outbox rows. tests/integration/test_sql_commands.py holds them equal to
 -- the Python, vectors (contracts/vectors/) and a randomized corpus included.

@@ -267,7 +267,7 @@ END $$;
 
 -- The lifecycle guard --------------------------------------------------------------
 -- The database refuses a status change the lifecycle does not allow, whoever attempts
--- it: a worker role, an operator role, the owner. The pairs are workers.lifecycle's
+-- it: a worker role, an operator role, the owner. The pairs are workers.core.lifecycle's
 -- (status_changes() and INSTANCE_TRANSITIONS); tests/unit/test_lifecycle.py keeps them
 -- equal. A repeat of the current status is not a change.
 CREATE TABLE IF NOT EXISTS custody.operation_transitions (

@@ -11,7 +11,7 @@
 --   * takes the actor from session_user, the authenticated login, never an argument;
 --   * checks the operator's authorization for the action and the target's tenant;
 --   * checks the lifecycle (custody.operation_events, generated from
---     workers/lifecycle.py and checked against it by a test), and the status guard
+--     workers/core/lifecycle.py and checked against it by a test), and the status guard
 --     trigger checks it again for every role;
 --   * writes the history and the audit row (done or refused) in the same transaction
 --     as the effect.
@@ -43,8 +43,8 @@ CREATE TABLE IF NOT EXISTS custody.operators (
   updated_at timestamptz NOT NULL DEFAULT now()
 );
 
--- The operation lifecycle by event, as workers/lifecycle.py's TRANSITIONS (the events the
--- functions below use; a test checks the rows against the Python table).
+-- The operation lifecycle by event, as workers/core/lifecycle.py's TRANSITIONS (the events
+-- the functions below use; a test checks the rows against the Python table).
 CREATE TABLE IF NOT EXISTS custody.operation_events (
   from_status custody.operation_status NOT NULL,
   event       text NOT NULL,

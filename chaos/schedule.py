@@ -16,7 +16,7 @@ ENGINE: Final = ("committer", "publisher", "receipts", "reconciler")
 PARTICIPANTS: Final = ("inventory", "payments", "shipping")
 WORKERS: Final = ENGINE + PARTICIPANTS
 
-# crash points (workers/faults.py) by the worker that reaches them
+# crash points (workers/runtime/faults.py) by the worker that reaches them
 CRASH_POINTS: Final[Mapping[str, tuple[str, ...]]] = {
     "committer": ("before_commit", "starts_locked", "successor_claimed"),
     "publisher": ("after_publish_before_confirm", "after_confirm_before_mark"),

@@ -40,11 +40,11 @@ RUN = uuid.uuid4().hex[:8]
 HOW = "start them with: bash scripts/ensure-services.sh"
 
 
-def _url(name: str) -> str:
+def database_url(name: str) -> str:
     return psycopg.conninfo.make_conninfo(PG_ADMIN, dbname=name)
 
 
-def _admin(statement: sql.Composable) -> None:
+def admin_execute(statement: sql.Composable) -> None:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(statement)
 
@@ -66,14 +66,16 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
     """Template databases with schema.sql and the participants' schemas applied once."""
     engine_tpl, part_tpl = f"custody_tpl_{RUN}", f"custody_ptpl_{RUN}"
     for name in (engine_tpl, part_tpl):
-        _admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        admin_execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     settings = replace(
-        Settings(), database_url=_url(engine_tpl), participant_database_url=_url(part_tpl)
+        Settings(),
+        database_url=database_url(engine_tpl),
+        participant_database_url=database_url(part_tpl),
     )
     asyncio.run(provision.migrate(settings, participants=True))
     # each operator its own login role; "mallory" can log in and is no operator
     asyncio.run(provision.sync_operators(settings, settings.operators_file, create_logins=True))
-    _admin(
+    admin_execute(
         sql.SQL(
             "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mallory') "
             "THEN CREATE ROLE mallory LOGIN; END IF; END $$"
@@ -81,7 +83,9 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
     )
     yield engine_tpl, part_tpl
     for name in (engine_tpl, part_tpl):
-        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin_execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture(scope="session")
@@ -93,11 +97,6 @@ def broker_users(services: None) -> None:
                 MGMT, "PUT", f"/api/users/custody-{name}", {"password": DEV_PASSWORD, "tags": ""}
             )
         )
-
-
-class _Args:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
 
 
 class Env:
@@ -157,14 +156,14 @@ def world(templates: tuple[str, str]) -> Iterator[Env]:
     tag = uuid.uuid4().hex[:10]
     engine_db, part_db, vhost = f"custody_t_{tag}", f"custody_p_{tag}", f"custody-test-{tag}"
     for name, template in ((engine_db, engine_tpl), (part_db, part_tpl)):
-        _admin(
+        admin_execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                 sql.Identifier(name), sql.Identifier(template)
             )
         )
     settings = Settings(
-        database_url=_url(engine_db),
-        participant_database_url=_url(part_db),
+        database_url=database_url(engine_db),
+        participant_database_url=database_url(part_db),
         amqp_url=with_vhost(AMQP, vhost),
         amqp_management_url=MGMT,
         routes_file=str(ROOT / "deploy" / "routes.toml"),
@@ -193,7 +192,9 @@ async def _broker_world(settings: Settings, vhost: str) -> None:
 def _remove_world(vhost: str, databases: tuple[str, ...]) -> None:
     asyncio.run(broker.delete_vhost(MGMT, vhost))
     for name in databases:
-        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin_execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 _CLEANER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cleanup")

@@ -1,1 +1,1 @@
-"""custody workers: one module per worker, one commit boundary each."""
+"""custody workers: one package per layer (docs/architecture.md, pyproject.toml)."""

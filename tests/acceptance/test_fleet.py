@@ -28,7 +28,7 @@ from workers.io import broker
 
 pytestmark = pytest.mark.acceptance
 
-GRACE_S = 25.0  # the workers drain for up to 20 s (workers.runtime.run), plus start-up slack
+GRACE_S = 25.0  # the workers drain for up to 20 s (CUSTODY_DRAIN_GRACE_S), plus start-up slack
 
 
 @pytest.mark.timeout(120)

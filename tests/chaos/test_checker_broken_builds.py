@@ -1,5 +1,5 @@
 """The checker is tested too: a deliberately broken build (``CUSTODY_BROKEN``, see
-workers/faults.py) under the faults that expose it must make the run fail, in the
+workers/runtime/faults.py) under the faults that expose it must make the run fail, in the
 category that names the defect."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from psycopg.types.json import Jsonb
 
 from contracts import codec, digest, identity
 from contracts.models import Lineage, StartRequest, SubmitCommand
-from tests.conftest import RUN, _admin, _url
+from tests.conftest import RUN, admin_execute, database_url
 from workers import provision
 from workers.core import commands, process, tracing
 from workers.engine import committer
@@ -48,12 +48,12 @@ FIELDS = ("tenant", "operation_id", "attempt", "operation", "route", "owner", "b
 
 
 def _create(name: str) -> str:
-    _admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return _url(name)
+    admin_execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return database_url(name)
 
 
 def _drop(name: str) -> None:
-    _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    admin_execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def _migrate(url: str) -> None:

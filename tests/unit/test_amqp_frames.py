@@ -75,8 +75,8 @@ def test_importing_the_broker_installs_the_patch() -> None:
 def test_upstream_still_decodes_strictly_and_calls_what_is_patched() -> None:
     """If pamqp or aiormq change the code paths the patch replaces (or stop raising on
     invalid UTF-8), this fails: re-check the patch before moving the pin."""
-    upstream_header = amqp_frames._UPSTREAM_HEADER
-    upstream_method = amqp_frames._UPSTREAM_METHOD
+    upstream_header = amqp_frames.UPSTREAM_HEADER
+    upstream_method = amqp_frames.UPSTREAM_METHOD
     assert upstream_header.__module__ == "pamqp.frame"
     assert upstream_method.__module__ == "pamqp.frame"
     for fn in (upstream_header, upstream_method):
@@ -171,7 +171,7 @@ def test_the_total_decoder_agrees_with_pamqp_on_valid_frames(
     except (ValueError, TypeError, OverflowError, struct.error, decimal.InvalidOperation):
         return  # pamqp cannot encode it: nothing to compare
     ours = amqp_frames.unmarshal_header_frame(payload)
-    theirs = amqp_frames._UPSTREAM_HEADER(payload)
+    theirs = amqp_frames.UPSTREAM_HEADER(payload)
     assert mark(ours) is None
     assert ours.body_size == theirs.body_size == 3
     for name in commands.Basic.Properties.__slots__:

@@ -17,10 +17,11 @@ One operation of one instance. The engine side is an ``OperationView`` plus the
 instance status, changed only through the real pure logic: ``lifecycle.next_status``
 for the confirm, deadline, cancel, reconcile, query-none, query-timeout and
 retry-safe events, and ``validation.decide`` for every receipt the engine is handed;
-the result is applied the way ``workers/engine/receipts.py`` applies it (``_one``,
-``_apply``, ``_no_news``) and cancels the way ``operator.cancel_in`` issues them.
+the result is applied the way ``workers/engine/receipts.py`` applies it (``_one``, then
+``core.effects.of_receipt`` / ``of_no_news``) and cancels the way ``transitions.sql``'s
+``custody.cancel_in`` issues them.
 Commands and receipts are the real wire models (commands built by ``workers.core.commands``,
-receipts by the participant runtime's own ``_receipt``).
+receipts by the participant runtime's own ``make_receipt``).
 
 The participant is a small model of ``workers/participant/service.py``'s rules: an inbox by
 request id, tombstones, an effects counter and a journal of receipts. The broker is
@@ -132,7 +133,7 @@ class ParticipantModel:
         self.journal: dict[str, list[OperationReceipt]] = {}  # by request id, by revision
 
     def _say(self, entry: Entry, in_reply_to: str, **extra: Any) -> list[Message]:
-        receipt = service._receipt(
+        receipt = service.make_receipt(
             entry.ident,
             ME,
             status=entry.status,
@@ -177,7 +178,7 @@ class ParticipantModel:
             return self._say(entry, c.request_id)
         if known.digest == c.digest:
             return self._reemit(c.request_id)
-        conflict = service._receipt(  # answered, recorded, never journaled or executed
+        conflict = service.make_receipt(  # answered, recorded, never journaled or executed
             known.ident,
             ME,
             status="rejected",
@@ -319,7 +320,7 @@ class EngineModel:
         self.unpublished = self._issue_submit()
 
     def cancel(self) -> CancelCommand | None:
-        """operator.cancel_in for the instance's one unresolved operation."""
+        """custody.cancel_in (transitions.sql) for the instance's one unresolved operation."""
         assert self.instance not in (InstanceStatus.CANCELLED, InstanceStatus.COMPLETED)
         assert self.view.status not in TERMINAL
         self.cancel_requested = True

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from workers.errors import ConfigError
 from workers.runtime import faults
 
 
@@ -54,8 +55,8 @@ def test_an_unknown_name_is_refused_on_first_use(
     monkeypatch: pytest.MonkeyPatch, key: str, message: str
 ) -> None:
     monkeypatch.setenv(key, "nope")
-    faults._armed = None  # as just after import
-    with pytest.raises(RuntimeError, match=message):
+    faults.reset()  # as just after import
+    with pytest.raises(ConfigError, match=message):
         faults.crash_point("before_commit")
 
 

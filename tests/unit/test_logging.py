@@ -1,4 +1,4 @@
-"""workers.runtime.JsonFormatter: one JSON object per line, stable keys, never a crash.
+"""workers.runtime.logs.JsonFormatter: one JSON object per line, stable keys, never a crash.
 
 Lines go through the real ``logs.event`` path into a handler with the real formatter,
 and are checked against tests/fixtures/log_event.schema.json with ``check-jsonschema``

@@ -316,7 +316,7 @@ def unmarshal_method_frame(frame_data: bytes) -> Any:
     except that a delivery whose short strings are not UTF-8 is decoded with
     ``surrogateescape`` instead of closing the connection."""
     try:
-        return _UPSTREAM_METHOD(frame_data)
+        return UPSTREAM_METHOD(frame_data)
     except exceptions.UnmarshalingException as error:
         if not isinstance(error.__cause__, UnicodeDecodeError):
             raise
@@ -329,10 +329,12 @@ def unmarshal_method_frame(frame_data: bytes) -> Any:
         return method
 
 
-_UPSTREAM_HEADER: Final[Callable[[bytes], header.ContentHeader]] = (
+# pamqp's own decoders, kept before install() replaces them: the method decoder tries
+# pamqp's first, and the tests hold the patch equal to them.
+UPSTREAM_HEADER: Final[Callable[[bytes], header.ContentHeader]] = (
     pamqp.frame._unmarshal_header_frame
 )
-_UPSTREAM_METHOD: Final[Callable[[bytes], Any]] = pamqp.frame._unmarshal_method_frame
+UPSTREAM_METHOD: Final[Callable[[bytes], Any]] = pamqp.frame._unmarshal_method_frame
 
 
 def installed_versions() -> dict[str, str]:

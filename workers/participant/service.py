@@ -92,7 +92,7 @@ class Identity:
     bindings: frozenset[str]
 
 
-def _receipt(
+def make_receipt(
     cmd: Mapping[str, Any],
     me: Identity,
     *,
@@ -247,7 +247,7 @@ class Participant:
                             c.request_id, k.stored_digest, c.digest, c.model_dump(mode="json")
                         )
                     )
-                    answer = _receipt(
+                    answer = make_receipt(
                         _cmd(c),
                         self.me,
                         status="rejected",
@@ -269,7 +269,7 @@ class Participant:
                     )
             for c, status, code in fresh:
                 receipts.append(
-                    _receipt(
+                    make_receipt(
                         _cmd(c),
                         self.me,
                         status=status,
@@ -415,7 +415,7 @@ class Participant:
                 },
             )
             if won:
-                return _receipt(
+                return make_receipt(
                     identity_,
                     self.me,
                     status="cancelled",
@@ -456,7 +456,7 @@ class Participant:
         await tx.run(
             "p_inbox_cancel", {"request_id": row["request_id"], "owner_revision": revision}
         )
-        return _receipt(
+        return make_receipt(
             row,
             self.me,
             status="cancelled",
@@ -694,7 +694,7 @@ class Participant:
         status, effect, result, error = done.status, done.effect, done.result, done.error
         # the inbox row is completed with the batch's other ones (_complete), from this
         # receipt, in the same transaction: its lock is held until then
-        return _receipt(
+        return make_receipt(
             row,
             self.me,
             status=status,

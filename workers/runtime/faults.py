@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
+from workers.errors import ConfigError
+
 POINTS: Final = frozenset(
     {
         "before_commit",
@@ -67,17 +69,17 @@ def _names(env: Mapping[str, str], key: str) -> frozenset[str]:
 
 
 def parse(env: Mapping[str, str]) -> Armed:
-    """The points, stop points, broken builds and poison marker ``env`` arms; unknown
-    names are refused."""
+    """The points, stop points, broken builds and poison marker ``env`` arms; an unknown
+    name is refused (a :class:`ConfigError`: the worker does not start)."""
     crash = _names(env, "CUSTODY_CRASH_POINTS")
     # Stop points: the process SIGSTOPs itself there (a pause past its lease: a zombie).
     stops = _names(env, "CUSTODY_STOP_POINTS")
     unknown = (crash | stops) - POINTS
     if unknown:
-        raise RuntimeError(f"unknown crash points: {sorted(unknown)}")
+        raise ConfigError(f"unknown crash points: {sorted(unknown)}")
     broken = _names(env, "CUSTODY_BROKEN")
     if broken - BROKEN:
-        raise RuntimeError(f"unknown broken builds: {sorted(broken - BROKEN)}")
+        raise ConfigError(f"unknown broken builds: {sorted(broken - BROKEN)}")
     poison = env.get("CUSTODY_FAULT_POISON_MARKER", "").encode()
     return Armed(crash, stops, broken, poison)
 
@@ -100,6 +102,13 @@ def arm(env: Mapping[str, str] | None = None) -> Armed:
     global _armed
     _armed = parse(os.environ if env is None else env)
     return _armed
+
+
+def reset() -> None:
+    """Forget what was armed, as just after import: the next use parses the environment
+    again (for tests)."""
+    global _armed
+    _armed = None
 
 
 _stopped: set[str] = set()
