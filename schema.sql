@@ -402,12 +402,12 @@ GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, cust
 GRANT SELECT ON custody.control, custody.operation_transitions, custody.instance_transitions
   TO custody_committer, custody_publisher, custody_receipts, custody_reconciler;
 
--- The committer, the publisher and the receipt consumer may update only the columns
--- their commit boundary writes (a table-level UPDATE from an earlier release is revoked
--- first: revoking it also revokes its column privileges).
+-- Each worker role may update only the columns its commit boundary writes (a
+-- table-level UPDATE from an earlier release is revoked first: revoking it also revokes
+-- its column privileges).
 REVOKE UPDATE ON custody.instances, custody.node_states, custody.operations,
   custody.start_tombstones, custody.successor_intents, custody.outbox
-  FROM custody_committer, custody_publisher, custody_receipts;
+  FROM custody_committer, custody_publisher, custody_receipts, custody_reconciler;
 
 -- transition committer: starts and successors (an authorized cancel request goes through
 -- custody.t_cancel_start, transitions.sql)
@@ -448,7 +448,11 @@ GRANT INSERT ON custody.quarantine, custody.history TO custody_receipts;
 
 -- reconciler: deadlines, query timeouts, retention (its retry and reconcile policies go
 -- through custody.t_retry_safe and custody.t_reconcile, transitions.sql)
-GRANT SELECT, UPDATE ON custody.operations, custody.instances, custody.node_states
+GRANT SELECT ON custody.operations, custody.instances, custody.node_states
+  TO custody_reconciler;
+-- statuses only (operation_set_status, instance_suspend): never an outcome's evidence
+-- (effect, result, revision) nor what an operation is or where it goes
+GRANT UPDATE (status, updated_at) ON custody.operations, custody.instances
   TO custody_reconciler;
 REVOKE INSERT ON custody.attempts, custody.outbox FROM custody_reconciler;  -- earlier releases
 GRANT SELECT ON custody.attempts TO custody_reconciler;

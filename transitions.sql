@@ -722,6 +722,19 @@ GRANT USAGE ON ALL SEQUENCES IN SCHEMA custody TO custody_definer;
 -- Operators read; they write nothing ----------------------------------------------------
 GRANT SELECT ON ALL TABLES IN SCHEMA custody TO custody_operators;
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON ALL TABLES IN SCHEMA custody FROM custody_operators;
+-- ... but a view runs with its owner's rights, past row-level security: an operator may
+-- read only the views that run with the reader's (security_invoker), never one that
+-- would show another tenant's rows
+DO $$
+DECLARE v regclass;
+BEGIN
+  FOR v IN SELECT c.oid::regclass FROM pg_class c
+            WHERE c.relnamespace = 'custody'::regnamespace AND c.relkind IN ('v', 'm')
+              AND coalesce(c.reloptions::text !~* 'security_invoker=(true|on|yes|1)', true)
+  LOOP
+    EXECUTE format('REVOKE ALL ON %s FROM custody_operators', v);
+  END LOOP;
+END $$;
 DO $$
 BEGIN
   -- the shared role of earlier releases, whose login could write recovery rows

@@ -122,15 +122,13 @@ def new_start_id() -> str:
 @dataclass
 class Operator:
     """The one place operator commands are run: the ``custody`` CLI as the operator
-    ``OPERATOR``. The CLI's operator identity is changing: with ``custody operators``
-    (the operator is the Postgres login role) the harness creates that login and
-    connects as it; with the older CLI it connects as the private cluster's superuser
-    and names itself with ``--as``. :meth:`prepare` finds out which."""
+    ``OPERATOR``, connected as that operator's own Postgres login (the database takes
+    the actor from the login; there is no other way to name it). :meth:`prepare`
+    creates the login and refuses to go on without it."""
 
     engine_dsn: str  # the superuser's
     env: Mapping[str, str]
     done: dict[str, int] = field(default_factory=dict)
-    as_login: bool = False
     failures: list[str] = field(default_factory=list)
 
     async def _cli(
@@ -157,19 +155,18 @@ class Operator:
 
     async def prepare(self) -> str:
         env = {**os.environ, **self.env, "CUSTODY_DATABASE_URL": self.engine_dsn}
-        code, _ = await self._cli(["operators", "apply", "--create-logins"], env, 60)
-        self.as_login = code == 0
-        return "login role" if self.as_login else "--as"
+        code, out = await self._cli(["operators", "apply", "--create-logins"], env, 60)
+        if code != 0:
+            raise RuntimeError(f"custody operators apply --create-logins: exit {code}: {out}")
+        return "login role"
 
     async def __call__(self, *args: str, timeout: float = 60.0) -> tuple[int, str]:
-        env = {**os.environ, **self.env, "CUSTODY_DATABASE_URL": self.engine_dsn}
+        env = {
+            **os.environ,
+            **self.env,
+            "CUSTODY_DATABASE_URL": psycopg.conninfo.make_conninfo(self.engine_dsn, user=OPERATOR),
+        }
         argv = list(args)
-        if self.as_login:
-            env["CUSTODY_DATABASE_URL"] = psycopg.conninfo.make_conninfo(
-                self.engine_dsn, user=OPERATOR
-            )
-        else:
-            argv += ["--as", OPERATOR]
         code, out = await self._cli(argv, env, timeout)
         key = f"{args[0]}:{code}"
         self.done[key] = self.done.get(key, 0) + 1

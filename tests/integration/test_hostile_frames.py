@@ -308,7 +308,8 @@ async def test_broker_permissions_are_what_each_worker_does(env: Env) -> None:
         if r["user"].startswith("custody-") and r["user"] in expected
     }
     assert actual == {u: p for u, p in expected.items() if u in actual}
-    assert set(principals) <= set(actual)
+    # every worker's user is there (none was left out of the comparison)
+    assert {f"custody-{w}" for w in broker.ENGINE_USERS} | set(principals) <= set(actual)
     for user, (configure, write, _) in expected.items():
         assert configure == "^$", user
         if user in principals:
@@ -378,6 +379,7 @@ _SHORT_PROPS = (
     "message_id",
     "message_type",
     "app_id",
+    "cluster_id",  # deprecated, yet a short string the broker passes through
 )
 _BAD_UTF8 = (b"\xff", b"\xc3(", b"\xe2\x82", b"\xf0\x28\x8c\xbc", b"\xed\xa0\x80", b"\x80abc")
 _GARBAGE = (b"", b"{", b"\x1f\x8b\x08\x00garbage", b"\xff\xfe", b"null", b'{"type": 1}')
@@ -514,6 +516,12 @@ async def test_ten_thousand_hostile_frames_into_every_queue_while_real_work_comp
     undecodable_before = _metric("custody_undecodable_deliveries_total")
     await publish_starts(env.settings, [order(i) for i in range(2)])
     await wait_until(lambda: _all_completed(env, 2), timeout=60, what="the fleet up")
+
+    async def listed() -> bool:  # 4 engine workers, 3 participants
+        return len(set((await _custody_connections(env)).values())) >= 7
+
+    await wait_until(listed, timeout=30, what="every worker's connection listed")
+    connections_before = await _custody_connections(env)
     corpus = _corpus(seed=16)
     refused_kinds = [
         Hostile(*QUEUES[q], b"{}", *_REFUSED[j % len(_REFUSED)], "broker-refused", {"queue": q})
@@ -574,6 +582,8 @@ async def test_ten_thousand_hostile_frames_into_every_queue_while_real_work_comp
         state = await _state(env, n)
         raise AssertionError(f"{exc}: {state} {await participants_refused()}") from None
     fleet.check_alive()
+    # no worker lost a connection to the corpus (a reconnect is a new broker-side name)
+    assert connections_before.items() <= (await _custody_connections(env)).items()
 
     by_source = dict(await env.sql("SELECT source, count(*) FROM custody.quarantine GROUP BY 1"))
     assert by_source == {

@@ -230,6 +230,67 @@ async def test_the_actor_of_a_command_is_the_login_and_cannot_be_typed(
     assert statuses == {"acme": "reconcile_pending", "globex": "outcome_unknown"}
 
 
+async def test_custody_operator_cannot_name_the_actor_either(
+    env: Env, seeded: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment variable of earlier releases is refused like --as: nothing
+    typed names the actor."""
+    monkeypatch.setenv("CUSTODY_OPERATOR", "oncall")
+    typed = await custody(
+        env, "cancel", seeded["globex-instance"], "--reason", "support ticket 123",
+        actor="acme-support",
+    )  # fmt: skip
+    assert typed.returncode == 2 and "--as and CUSTODY_OPERATOR are gone" in typed.stderr
+    with psycopg.connect(env.settings.database_url) as conn:
+        [(asked,)] = conn.execute(
+            "SELECT count(*) FROM custody.audit WHERE target = %s", (seeded["globex-instance"],)
+        ).fetchall()
+        [(status,)] = conn.execute(
+            "SELECT status::text FROM custody.instances WHERE id = %s", (seeded["globex-instance"],)
+        ).fetchall()
+    assert (asked, status) == (0, "suspended"), "refused before asking the database"
+
+
+def test_an_operator_cannot_act_outside_its_tenants_with_a_right_it_has(
+    env: Env, seeded: dict[str, str]
+) -> None:
+    """acme-support may cancel and reconcile, for acme only: the database function
+    refuses globex's instance and operation (audited under the login), and the same
+    command on acme's goes through."""
+    with _as(env, "acme-support") as conn:
+        refused = [
+            conn.execute(q, (ident, "support ticket 123")).fetchall()[0][0]
+            for q, ident in (
+                ("SELECT custody.cancel(%s, %s)", seeded["globex-instance"]),
+                ("SELECT custody.reconcile(%s, %s)", seeded["globex"]),
+            )
+        ]
+        [(done,)] = conn.execute(
+            "SELECT custody.cancel(%s, 'support ticket 123')", (seeded["acme-instance"],)
+        ).fetchall()
+    for outcome in refused:
+        assert outcome["result"] == "refused" and "tenant 'globex'" in outcome["message"]
+    assert done["result"] == "done", done
+    with psycopg.connect(env.settings.database_url) as conn:
+        statuses = conn.execute(
+            "SELECT i.tenant, i.status::text, o.status::text FROM custody.instances i"
+            " JOIN custody.operations o ON o.instance_id = i.id ORDER BY 1"
+        ).fetchall()
+        audit = conn.execute(
+            "SELECT actor, action, tenant, outcome FROM custody.audit"
+            " WHERE actor = 'acme-support' ORDER BY id"
+        ).fetchall()
+    assert statuses == [
+        ("acme", "cancelling", "cancelling"),
+        ("globex", "suspended", "outcome_unknown"),
+    ]
+    assert audit == [
+        ("acme-support", "cancel", "globex", "refused"),
+        ("acme-support", "reconcile", "globex", "refused"),
+        ("acme-support", "cancel", "acme", "done"),
+    ]
+
+
 def test_a_login_that_is_no_operator_is_refused_and_audited(
     env: Env, seeded: dict[str, str]
 ) -> None:
