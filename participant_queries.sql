@@ -193,15 +193,13 @@ RETURNING o.id, o.exchange, o.routing_key, o.body, o.headers, o.operation_id, o.
 WITH old AS (
   SELECT request_id FROM inbox
    WHERE status <> 'accepted' AND completed_at < now() - make_interval(secs => %(horizon)s)
+   ORDER BY completed_at
    LIMIT %(limit)s
-), r AS (DELETE FROM receipts WHERE request_id IN (SELECT request_id FROM old)),
-   t AS (DELETE FROM tombstones WHERE request_id IN (SELECT request_id FROM old))
-DELETE FROM inbox WHERE request_id IN (SELECT request_id FROM old);
-
--- name: p_retention_outbox
-DELETE FROM outbox WHERE ctid IN (
-  SELECT ctid FROM outbox WHERE status = 'published'
-     AND published_at < now() - make_interval(secs => %(horizon)s) LIMIT %(limit)s);
+), r AS (DELETE FROM receipts WHERE request_id = ANY(ARRAY(SELECT request_id FROM old))),
+   t AS (DELETE FROM tombstones WHERE request_id = ANY(ARRAY(SELECT request_id FROM old)))
+-- (= ANY(ARRAY(...)): by key; an IN (...) of the batch may be planned as a hash join that
+-- reads the whole journal)
+DELETE FROM inbox WHERE request_id = ANY(ARRAY(SELECT request_id FROM old));
 
 -- Operator reads: custody quarantine (refused) and custody restore report (journal) -------
 
@@ -209,6 +207,12 @@ DELETE FROM outbox WHERE ctid IN (
 SELECT id, reason, detail, message_id, received_at FROM refused
  WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
  ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: p_refused_stats
+-- a participant's refused commands by reason (they carry no tenant: NULL)
+SELECT CASE WHEN 'reason' = ANY(%(by)s) THEN reason END AS reason, NULL::text AS tenant,
+       count(*) AS n, max(received_at) AS last_at
+  FROM refused GROUP BY 1 ORDER BY n DESC, 1;
 
 -- name: p_journal
 SELECT request_id::text, tenant, command->'lineage'->>'instance_id' AS instance_id,

@@ -80,6 +80,16 @@ CREATE TABLE IF NOT EXISTS outbox (
   published_at     timestamptz
 );
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (next_attempt_at) WHERE status = 'pending';
+-- The pending rows as the outbox gauges read them (outbox_stats, shared with the engine,
+-- whose view of the same name marks the submits a dispatch pause holds): a
+-- participant's outbox holds nothing back.
+CREATE OR REPLACE VIEW outbox_pending_rows AS
+SELECT id, created_at, false AS held FROM outbox WHERE status = 'pending';
+-- Retention (p_retention_inbox, retention_outbox) reaches the settled rows through
+-- their time column, never by reading the journal in full (tests/integration/
+-- test_query_plans.py).
+CREATE INDEX IF NOT EXISTS inbox_settled ON inbox (completed_at) WHERE status <> 'accepted';
+CREATE INDEX IF NOT EXISTS outbox_published ON outbox (published_at) WHERE status = 'published';
 
 -- Added after the first release: kept idempotent for existing participant schemas.
 ALTER TABLE inbox ADD COLUMN IF NOT EXISTS traceparent text;

@@ -14,7 +14,8 @@ RETURNING epoch;
 
 -- name: lease_renew
 UPDATE custody.leases
-   SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
+   SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
+       renewed_at = clock_timestamp()
  WHERE holder = %(holder)s AND epoch = %(epoch)s AND expires_at > clock_timestamp();
 
 -- name: lease_release
@@ -57,7 +58,9 @@ UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
 
 -- name: instance_insert
 -- One statement for the batch. A replica that raced us to the same start request
--- wins quietly: its id is simply not returned, and we write nothing for it.
+-- wins quietly: its id is simply not returned, and we write nothing for it. A start
+-- whose instance finished long ago and was archived is a duplicate too (under the
+-- start lock, which the archival takes).
 INSERT INTO instances (id, tenant, start_request_id, process, process_version, input, status,
                        requested_by, traceparent, routes)
 SELECT id, tenant, start_request_id, process, process_version, input, 'running', requested_by,
@@ -65,6 +68,8 @@ SELECT id, tenant, start_request_id, process, process_version, input, 'running',
   FROM jsonb_to_recordset(%(rows)s)
        AS t(id uuid, tenant text, start_request_id uuid, process text, process_version int,
             input jsonb, requested_by text, traceparent text, routes jsonb)
+ WHERE NOT EXISTS (SELECT 1 FROM custody_archive.instances a
+                    WHERE a.tenant = t.tenant AND a.start_request_id = t.start_request_id)
 ON CONFLICT DO NOTHING
 RETURNING id::text;
 
@@ -193,9 +198,13 @@ UPDATE outbox
  WHERE id = %(id)s AND claimed_by = %(holder)s AND status = 'pending';
 
 -- name: outbox_stats
-SELECT count(*) AS pending,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_age_s
-  FROM outbox WHERE status = 'pending';
+-- The outbox gauges, of the engine's outbox or a participant's (same view name in both
+-- schemas): the rows waiting to be sent or confirmed, and the age of the oldest. A
+-- submit held by a dispatch pause or a suspended instance waits on purpose: not counted.
+SELECT count(*) FILTER (WHERE NOT held) AS pending,
+       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT held)), 0)::float8
+         AS oldest_age_s
+  FROM outbox_pending_rows;
 
 -- name: operations_dispatched
 -- The confirm mark never moves an operation backward; the deadline clock starts here.
@@ -337,6 +346,14 @@ SELECT o.id FROM operations o
 -- name: successor_intents_pending
 SELECT count(*) AS n FROM successor_intents WHERE status = 'pending';
 
+-- name: dispatch_stats
+-- The reconciler's dispatch gauges: the database's pause flag, the unfinished instances
+-- whose dispatch is paused (instances_dispatch_paused), and the submits held back.
+SELECT (SELECT dispatch_paused FROM control) AS paused,
+       (SELECT count(*) FROM instances WHERE dispatch_paused
+           AND status NOT IN ('completed', 'failed', 'cancelled')) AS paused_instances,
+       (SELECT count(*) FROM outbox_pending_rows WHERE held) AS held;
+
 -- name: operations_by_status
 SELECT status::text, count(*) AS n FROM operations GROUP BY status;
 
@@ -351,24 +368,46 @@ SELECT status::text, count(*) AS n FROM operations
 -- Retention (the reconciler, custody retention): bounded deletes, one transaction each ----
 
 -- name: retention_receipts
+-- Receipts older than the horizon, unless their operation is still unsettled (a receipt
+-- of an operation that is archived, or that never existed, goes too).
+-- (Each retention delete takes the oldest rows first, through the index on the time
+-- column it filters (schema.sql, "Data lifecycle"), and deletes them by primary key: a
+-- `ctid IN (...)` is a hash join that reads the whole table.)
 DELETE FROM receipt_inbox r
- WHERE r.ctid IN (SELECT r2.ctid FROM receipt_inbox r2 JOIN operations o ON o.id = r2.operation_id
+ WHERE r.receipt_id = ANY(ARRAY(SELECT r2.receipt_id FROM receipt_inbox r2
                    WHERE r2.received_at < now() - make_interval(secs => %(horizon)s)
-                     AND o.status IN ('succeeded', 'failed', 'cancelled')
-                   LIMIT %(limit)s);
+                     AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.id = r2.operation_id
+                                       AND o.status NOT IN ('succeeded', 'failed', 'cancelled'))
+                   ORDER BY r2.received_at
+                   LIMIT %(limit)s));
 
 -- name: retention_outbox
--- Sent rows after the horizon, and retired ones (never sent) once as old.
-DELETE FROM outbox WHERE ctid IN (
-  SELECT ctid FROM outbox
-   WHERE (status = 'published' AND published_at < now() - make_interval(secs => %(horizon)s))
-      OR (status = 'retired' AND created_at < now() - make_interval(secs => %(horizon)s))
-   LIMIT %(limit)s);
+-- Sent rows after the horizon (a participant's too: the same table in its schema).
+DELETE FROM outbox WHERE id = ANY(ARRAY(
+  SELECT id FROM outbox
+   WHERE status = 'published' AND published_at < now() - make_interval(secs => %(horizon)s)
+   ORDER BY published_at
+   LIMIT %(limit)s));
+
+-- name: retention_outbox_retired
+-- Retired rows (never sent) once as old.
+DELETE FROM outbox WHERE id = ANY(ARRAY(
+  SELECT id FROM outbox
+   WHERE status = 'retired' AND created_at < now() - make_interval(secs => %(horizon)s)
+   ORDER BY created_at
+   LIMIT %(limit)s));
 
 -- name: retention_quarantine
-DELETE FROM quarantine WHERE ctid IN (
-  SELECT ctid FROM quarantine WHERE received_at < now() - make_interval(secs => %(horizon)s)
-   LIMIT %(limit)s);
+DELETE FROM quarantine WHERE id = ANY(ARRAY(
+  SELECT id FROM quarantine WHERE received_at < now() - make_interval(secs => %(horizon)s)
+   ORDER BY received_at
+   LIMIT %(limit)s));
+
+-- name: retention_archive
+-- Finished instances past the archive horizon move to custody_archive with their
+-- operations, node states, attempts, history and successor intents (schema.sql, "The
+-- archive"): at most `limit` instances, in one statement of the caller's transaction.
+SELECT custody_archive.move_finished(%(horizon)s, %(limit)s) AS n;
 
 -- Controlled commands (transitions.sql), one transaction each: op_* operator, t_* worker ---
 
@@ -497,8 +536,64 @@ SELECT id, source, reason, detail, message_id, user_id, tenant, operation_id, re
 SELECT id, at, actor, action, tenant, target, reason, outcome FROM audit
  ORDER BY id DESC LIMIT %(limit)s;
 
+-- name: workers_list
+-- the fleet as its leases show it: each holder's last heartbeat (renewal or acquisition)
+SELECT holder, worker, epoch, acquired_at,
+       greatest(acquired_at, renewed_at) AS last_heartbeat, expires_at,
+       expires_at > clock_timestamp() AS live
+  FROM leases ORDER BY worker, holder;
+
+-- name: quarantine_stats
+-- counts grouped by the columns named in %(by)s (the others are NULL: one static query)
+SELECT CASE WHEN 'reason' = ANY(%(by)s) THEN reason END AS reason,
+       CASE WHEN 'tenant' = ANY(%(by)s) THEN tenant END AS tenant,
+       CASE WHEN 'source' = ANY(%(by)s) THEN source END AS source,
+       CASE WHEN 'worker' = ANY(%(by)s) THEN worker END AS worker,
+       count(*) AS n, max(received_at) AS last_at
+  FROM quarantine
+ GROUP BY 1, 2, 3, 4 ORDER BY n DESC, 1, 2, 3, 4;
+
+-- Operator batches (custody reconcile|retry-safe|cancel|dispatch by filter): the filter
+-- runs as the operator's own login, so row-level security confines it to its tenants;
+-- each target then goes through its op_* command above, one transaction each, and the
+-- batch gets one audit row (op_batch_audit). `matched` counts the whole filtered set.
+
+-- name: batch_started
+SELECT clock_timestamp() AS at;
+
+-- name: batch_operations
+SELECT id::text AS id, tenant, instance_id::text AS instance_id, node, route,
+       status::text AS status, updated_at, count(*) OVER () AS matched
+  FROM operations
+ WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
+   AND (%(route)s::text IS NULL OR route = %(route)s)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+   AND (%(since)s::float8 IS NULL OR updated_at >= now() - make_interval(secs => %(since)s))
+ ORDER BY updated_at, id LIMIT %(limit)s;
+
+-- name: batch_instances
+SELECT id::text AS id, tenant, process, status::text AS status, dispatch_paused, created_at,
+       count(*) OVER () AS matched
+  FROM instances
+ WHERE (%(status)s::text IS NULL OR status::text = %(status)s)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+   AND (%(process)s::text IS NULL OR process = %(process)s)
+   AND (%(since)s::float8 IS NULL OR created_at >= now() - make_interval(secs => %(since)s))
+ ORDER BY created_at, id LIMIT %(limit)s;
+
+-- name: op_batch_audit
+SELECT custody.batch_audit(%(action)s, %(filter)s, %(reason)s, %(targets)s::text[],
+                           %(started)s) AS outcome;
+
+-- name: op_dead_letter_replay
+SELECT custody.dead_letter_replay(%(message_id)s, %(exchange)s, %(routing_key)s, %(reason)s,
+                                  %(detail)s, %(published)s) AS outcome;
+
 -- name: attempts_known
-SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s);
+-- Archived attempts are known too: the engine settled them before the archive horizon.
+SELECT request_id::text FROM attempts WHERE request_id = ANY(%(ids)s)
+UNION ALL
+SELECT request_id::text FROM custody_archive.attempts WHERE request_id = ANY(%(ids)s);
 
 -- Harness reads (the demo, the bench: workers.harness.env) --------------------------------
 

@@ -38,6 +38,9 @@ CREATE TABLE IF NOT EXISTS custody.leases (
   acquired_at timestamptz NOT NULL DEFAULT now(),
   expires_at  timestamptz NOT NULL
 );
+-- the last heartbeat (lease_renew), for `custody workers list`; added by an idempotent
+-- change so that a database of an earlier release gets it from `custody db migrate`
+ALTER TABLE custody.leases ADD COLUMN IF NOT EXISTS renewed_at timestamptz;
 
 CREATE TABLE IF NOT EXISTS custody.instances (
   id               uuid PRIMARY KEY,
@@ -58,6 +61,9 @@ CREATE TABLE IF NOT EXISTS custody.instances (
 );
 CREATE INDEX IF NOT EXISTS instances_status ON custody.instances (status)
   WHERE status NOT IN ('completed', 'failed', 'cancelled');
+-- the reconciler's gauge of paused instances (dispatch_stats), sampled on every poll
+CREATE INDEX IF NOT EXISTS instances_dispatch_paused ON custody.instances (status)
+  WHERE dispatch_paused;
 
 -- An authorized cancellation of a start request that has not created its instance
 -- (yet): the late start creates nothing. Checked under the same advisory lock as the
@@ -165,6 +171,24 @@ CREATE TABLE IF NOT EXISTS custody.outbox (
 );
 CREATE INDEX IF NOT EXISTS outbox_pending ON custody.outbox (next_attempt_at)
   WHERE status = 'pending';
+-- The pending rows, each saying whether it is *held*: a submit that waits on purpose,
+-- because dispatch is paused (globally, or for its instance) or its instance is not
+-- running (suspended). outbox_claim (queries.sql) sends no such submit; the outbox
+-- gauges count only the rows not held (a deliberate pause is not a stuck outbox) and
+-- the reconciler counts the held ones (custody_dispatch_held_submits).
+-- participant_schema.sql has the same view, where nothing is ever held.
+-- (Per pending row, by primary key: never a scan of operations or instances, which
+-- grow with the traffic; tests/integration/test_query_plans.py.)
+CREATE OR REPLACE VIEW custody.outbox_pending_rows AS
+SELECT o.id, o.kind, o.created_at,
+       (o.kind = 'submit'
+        AND ((SELECT c.dispatch_paused FROM custody.control c)
+             OR coalesce((SELECT i.dispatch_paused OR i.status <> 'running'
+                            FROM custody.operations op
+                            JOIN custody.instances i ON i.id = op.instance_id
+                           WHERE op.id = o.operation_id), false))) AS held
+  FROM custody.outbox o
+ WHERE o.status = 'pending';
 
 -- Exactly-once receipt application: a receipt id changes engine state at most once.
 CREATE TABLE IF NOT EXISTS custody.receipt_inbox (
@@ -251,6 +275,18 @@ ALTER TABLE custody.outbox ADD CONSTRAINT outbox_status_check
 -- content it carried: a repeated revision with changed content is rejected.
 CREATE INDEX IF NOT EXISTS receipt_inbox_revision
   ON custody.receipt_inbox (operation_id, attempt, owner_revision);
+-- Data lifecycle: every periodic query (retention, archival) reaches its rows through an
+-- index on the time column it filters, never by reading a table that grows with the
+-- traffic (tests/integration/test_query_plans.py). Partial where only some rows age out.
+CREATE INDEX IF NOT EXISTS instances_finished ON custody.instances (finished_at)
+  WHERE status IN ('completed', 'failed', 'cancelled');
+CREATE INDEX IF NOT EXISTS outbox_published ON custody.outbox (published_at)
+  WHERE status = 'published';
+CREATE INDEX IF NOT EXISTS outbox_retired ON custody.outbox (created_at)
+  WHERE status = 'retired';
+CREATE INDEX IF NOT EXISTS outbox_operation ON custody.outbox (operation_id);
+CREATE INDEX IF NOT EXISTS receipt_inbox_received ON custody.receipt_inbox (received_at);
+CREATE INDEX IF NOT EXISTS quarantine_received ON custody.quarantine (received_at);
 
 -- Fencing: called last inside every engine commit. A worker paused past its lease
 -- (a zombie) fails here, inside its own transaction, whatever its local clock says.
@@ -376,6 +412,152 @@ DROP TRIGGER IF EXISTS instance_status_guard ON custody.instances;
 CREATE TRIGGER instance_status_guard BEFORE UPDATE OF status ON custody.instances
   FOR EACH ROW EXECUTE FUNCTION custody.guard_instance_status();
 
+-- The archive ----------------------------------------------------------------------
+-- A finished instance leaves the hot tables once nothing can refer to it any more: it
+-- moves, with its operations, node states, attempts, history and successor intents, to
+-- the same tables in custody_archive, in one transaction per bounded batch (README,
+-- "Retention"). Audit rows stay where they are. The archive tables have the hot tables'
+-- columns in the same order (LIKE, placed after every ALTER ... ADD COLUMN above; a
+-- column added to a hot table is added to its archive table in the same hunk, and
+-- tests/integration/test_retention.py checks they agree), and no unique index: a start
+-- replayed past every permitted horizon re-creates the same deterministic ids, and its
+-- second archival must not fail.
+CREATE SCHEMA IF NOT EXISTS custody_archive;
+CREATE TABLE IF NOT EXISTS custody_archive.instances (LIKE custody.instances);
+CREATE TABLE IF NOT EXISTS custody_archive.operations (LIKE custody.operations);
+CREATE TABLE IF NOT EXISTS custody_archive.node_states (LIKE custody.node_states);
+CREATE TABLE IF NOT EXISTS custody_archive.attempts (LIKE custody.attempts);
+CREATE TABLE IF NOT EXISTS custody_archive.history (LIKE custody.history);
+CREATE TABLE IF NOT EXISTS custody_archive.successor_intents (LIKE custody.successor_intents);
+CREATE INDEX IF NOT EXISTS instances_id ON custody_archive.instances (id);
+CREATE INDEX IF NOT EXISTS instances_start ON custody_archive.instances
+  (tenant, start_request_id);
+CREATE INDEX IF NOT EXISTS instances_finished ON custody_archive.instances (finished_at);
+CREATE INDEX IF NOT EXISTS operations_id ON custody_archive.operations (id);
+CREATE INDEX IF NOT EXISTS operations_instance ON custody_archive.operations (instance_id);
+CREATE INDEX IF NOT EXISTS node_states_instance ON custody_archive.node_states (instance_id);
+CREATE INDEX IF NOT EXISTS attempts_operation ON custody_archive.attempts (operation_id);
+CREATE INDEX IF NOT EXISTS attempts_request ON custody_archive.attempts (request_id);
+CREATE INDEX IF NOT EXISTS history_instance ON custody_archive.history (instance_id, id);
+CREATE INDEX IF NOT EXISTS successor_intents_instance
+  ON custody_archive.successor_intents (instance_id);
+
+-- The move runs as custody_archiver (NOLOGIN: nobody logs in as it), the owner of the
+-- one function below; the reconciler may only EXECUTE it, never delete a hot row itself.
+-- An instance is due when it is finished (completed, failed, cancelled) for longer than
+-- the horizon, every one of its operations is settled as long, and no row that is still
+-- kept refers to it: no receipt-inbox row (kept CUSTODY_RETENTION_S after its receipt,
+-- the receipts' deduplication), no outbox row (a sent command, kept as long), no pending
+-- successor. The caller's horizon is checked at start-up to be at least the retention
+-- horizon (workers/core/horizon.py), so every permitted retry, replay and restore is over.
+-- A receipt that still comes later finds no operation and is quarantined
+-- (unknown_operation), as any receipt of an unknown operation is.
+DO $$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'custody_archiver') THEN
+    CREATE ROLE custody_archiver NOLOGIN;
+  END IF;
+  -- the migrator must be able to hand the function to custody_archiver
+  IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+     AND NOT pg_has_role(current_user, 'custody_archiver', 'MEMBER') THEN
+    EXECUTE format('GRANT custody_archiver TO %I', current_user);
+  END IF;
+END $$;
+
+CREATE OR REPLACE FUNCTION custody_archive.move_finished(p_after_s float8, p_limit integer)
+RETURNS integer LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+-- (Each check is a scalar subquery per candidate, by key: a NOT EXISTS would let the
+-- planner join the candidates against all of receipt_inbox or operations at once.)
+WITH candidates AS (
+  SELECT i.id, i.tenant, i.start_request_id FROM custody.instances i
+   WHERE i.status IN ('completed', 'failed', 'cancelled')
+     AND i.finished_at < now() - make_interval(secs => p_after_s)
+     AND (SELECT 1 FROM custody.operations o
+           WHERE o.instance_id = i.id
+             AND (o.status NOT IN ('succeeded', 'failed', 'cancelled')
+                  OR coalesce(o.finished_at, o.updated_at)
+                     >= now() - make_interval(secs => p_after_s))
+           LIMIT 1) IS NULL
+     AND (SELECT 1 FROM custody.operations o
+            JOIN custody.receipt_inbox r ON r.operation_id = o.id
+           WHERE o.instance_id = i.id LIMIT 1) IS NULL
+     AND (SELECT 1 FROM custody.operations o JOIN custody.outbox b ON b.operation_id = o.id
+           WHERE o.instance_id = i.id LIMIT 1) IS NULL
+     AND (SELECT 1 FROM custody.successor_intents s
+           WHERE s.instance_id = i.id AND s.status = 'pending' LIMIT 1) IS NULL
+   ORDER BY i.finished_at
+   LIMIT p_limit
+), due AS (
+  -- under the lock a start of the same request takes (queries.sql start_locks): a start
+  -- replayed while its instance moves waits, then finds it in the archive
+  -- (instance_insert); one a start holds right now is left for the next pass
+  SELECT c.id FROM candidates c
+   WHERE pg_try_advisory_xact_lock(hashtext(c.tenant || '/' || c.start_request_id::text))
+), ops AS (
+  SELECT o.id FROM custody.operations o WHERE o.instance_id IN (SELECT id FROM due)
+), a AS (
+  DELETE FROM custody.attempts x WHERE x.operation_id IN (SELECT id FROM ops) RETURNING x.*
+), a_in AS (
+  INSERT INTO custody_archive.attempts SELECT * FROM a
+), s AS (
+  DELETE FROM custody.successor_intents x WHERE x.from_operation_id IN (SELECT id FROM ops)
+  RETURNING x.*
+), s_in AS (
+  INSERT INTO custody_archive.successor_intents SELECT * FROM s
+), h AS (
+  DELETE FROM custody.history x WHERE x.instance_id IN (SELECT id FROM due) RETURNING x.*
+), h_in AS (
+  INSERT INTO custody_archive.history SELECT * FROM h
+), n AS (
+  DELETE FROM custody.node_states x WHERE x.instance_id IN (SELECT id FROM due) RETURNING x.*
+), n_in AS (
+  INSERT INTO custody_archive.node_states SELECT * FROM n
+), o AS (
+  DELETE FROM custody.operations x WHERE x.id IN (SELECT id FROM ops) RETURNING x.*
+), o_in AS (
+  INSERT INTO custody_archive.operations SELECT * FROM o
+), i AS (
+  DELETE FROM custody.instances x WHERE x.id IN (SELECT id FROM due) RETURNING x.*
+), i_in AS (
+  INSERT INTO custody_archive.instances SELECT * FROM i
+)
+SELECT count(*)::integer FROM i
+$$;
+ALTER FUNCTION custody_archive.move_finished(float8, integer) OWNER TO custody_archiver;
+REVOKE ALL ON FUNCTION custody_archive.move_finished(float8, integer) FROM PUBLIC;
+
+GRANT USAGE ON SCHEMA custody, custody_archive TO custody_archiver;
+GRANT SELECT, DELETE ON custody.instances, custody.operations, custody.node_states,
+  custody.attempts, custody.history, custody.successor_intents TO custody_archiver;
+GRANT SELECT ON custody.receipt_inbox, custody.outbox TO custody_archiver;
+GRANT INSERT ON ALL TABLES IN SCHEMA custody_archive TO custody_archiver;
+-- Row-level security (the hot tables' is enabled in transitions.sql): the archiver reads
+-- every row, and may delete only settled instances and operations, whatever its query
+-- says. Operators read their tenants' archived rows (policies in transitions.sql).
+DO $$
+DECLARE t text;
+BEGIN
+  FOREACH t IN ARRAY ARRAY['instances', 'operations', 'node_states', 'attempts', 'history',
+                           'successor_intents', 'receipt_inbox', 'outbox'] LOOP
+    EXECUTE format('DROP POLICY IF EXISTS archiver_reads ON custody.%I', t);
+    EXECUTE format('CREATE POLICY archiver_reads ON custody.%I FOR SELECT TO custody_archiver'
+                   ' USING (true)', t);
+  END LOOP;
+  FOREACH t IN ARRAY ARRAY['instances', 'operations', 'node_states', 'attempts', 'history',
+                           'successor_intents'] LOOP
+    EXECUTE format('DROP POLICY IF EXISTS archiver_moves ON custody.%I', t);
+    EXECUTE format('CREATE POLICY archiver_moves ON custody.%I FOR DELETE TO custody_archiver'
+                   ' USING (%s)', t,
+                   CASE t WHEN 'instances' THEN 'status IN (''completed'', ''failed'', ''cancelled'')'
+                          WHEN 'operations' THEN 'status IN (''succeeded'', ''failed'', ''cancelled'')'
+                          ELSE 'true' END);
+    EXECUTE format('ALTER TABLE custody_archive.%I ENABLE ROW LEVEL SECURITY', t);
+    EXECUTE format('DROP POLICY IF EXISTS archiver ON custody_archive.%I', t);
+    EXECUTE format('CREATE POLICY archiver ON custody_archive.%I FOR INSERT TO custody_archiver'
+                   ' WITH CHECK (true)', t);
+  END LOOP;
+END $$;
+
 -- Least privilege ------------------------------------------------------------------
 -- One role per worker type, granted only what its commit boundary needs (operators:
 -- transitions.sql). Nobody but the owner may update or delete audit rows.
@@ -422,6 +604,14 @@ GRANT INSERT ON custody.outbox, custody.history, custody.quarantine, custody.aud
   TO custody_committer;
 REVOKE SELECT ON custody.outbox FROM custody_committer;  -- earlier releases
 GRANT SELECT ON custody.successor_intents TO custody_committer;
+-- a start request is deduplicated against archived instances too (instance_insert): the
+-- committer reads the archive's instance keys, every tenant's.
+GRANT USAGE ON SCHEMA custody_archive TO custody_committer;
+GRANT SELECT (tenant, start_request_id) ON custody_archive.instances TO custody_committer;
+ALTER TABLE custody_archive.instances ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS committer_dedupes ON custody_archive.instances;
+CREATE POLICY committer_dedupes ON custody_archive.instances FOR SELECT TO custody_committer
+  USING (true);
 GRANT UPDATE (status, done_at, not_before) ON custody.successor_intents TO custody_committer;
 
 -- outbox publisher: claims and marks; the confirm mark moves pending → dispatched
@@ -432,6 +622,7 @@ GRANT SELECT ON custody.instances, custody.attempts TO custody_publisher;
 GRANT SELECT ON custody.operations TO custody_publisher;
 GRANT UPDATE (status, updated_at, deadline_at) ON custody.operations TO custody_publisher;
 GRANT INSERT ON custody.history TO custody_publisher;
+GRANT SELECT ON custody.outbox_pending_rows TO custody_publisher;  -- outbox_stats
 
 -- receipt consumer: validated result, status, revision, successor intent, quarantine
 GRANT SELECT ON custody.operations, custody.instances, custody.node_states
@@ -457,9 +648,13 @@ GRANT UPDATE (status, updated_at) ON custody.operations, custody.instances
 REVOKE INSERT ON custody.attempts, custody.outbox FROM custody_reconciler;  -- earlier releases
 GRANT SELECT ON custody.attempts TO custody_reconciler;
 GRANT SELECT, DELETE ON custody.outbox TO custody_reconciler;  -- retention
+GRANT SELECT ON custody.outbox_pending_rows TO custody_reconciler;  -- dispatch_stats
 GRANT SELECT, DELETE ON custody.receipt_inbox, custody.quarantine TO custody_reconciler;
 GRANT SELECT ON custody.successor_intents TO custody_reconciler;
 GRANT INSERT ON custody.history TO custody_reconciler;
+-- archival: only through the archiver's function (no DELETE on a hot table of its own)
+GRANT USAGE ON SCHEMA custody_archive TO custody_reconciler;
+GRANT EXECUTE ON FUNCTION custody_archive.move_finished(float8, integer) TO custody_reconciler;
 
 -- operators: their own login roles, members of custody_operators; they read (row-level
 -- security) and run the controlled commands of transitions.sql, and write nothing.

@@ -676,6 +676,88 @@ LANGUAGE sql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
   SELECT custody.t_restore_resume(custody.operator_actor(), p_reason, p_force)
 $$;
 
+-- Batches: one audit row for a batch of operator commands (`custody reconcile|retry-safe|
+-- cancel|dispatch pause|resume` by filter). Each command of the batch went through its
+-- own function above, in its own transaction, with its own audit row; the batch row's
+-- counts are read from those rows (this login's, for these targets, since the batch
+-- started), never taken from the caller's word.
+CREATE OR REPLACE FUNCTION custody.batch_audit(
+  p_action text, p_filter jsonb, p_reason text, p_targets text[], p_started timestamptz
+) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_actor text := custody.operator_actor();
+  v_selected int := (SELECT count(DISTINCT t) FROM unnest(p_targets) t);
+  v_done int;
+  v_refused int;
+  v_not_found int;
+  v_tenant text;
+  v_result text;
+  v_counts jsonb;
+BEGIN
+  IF NOT p_action = ANY (ARRAY['reconcile', 'retry-safe', 'cancel', 'pause', 'resume']) THEN
+    RAISE EXCEPTION 'no batch of %', p_action USING ERRCODE = '22023';
+  END IF;
+  WITH latest AS (
+    SELECT DISTINCT ON (a.target) a.target, a.outcome, a.tenant
+      FROM custody.audit a
+     WHERE a.actor = v_actor AND a.action = p_action AND a.target = ANY (p_targets)
+       AND a.at >= p_started
+     ORDER BY a.target, a.id DESC
+  )
+  SELECT count(*) FILTER (WHERE outcome = 'done'), count(*) FILTER (WHERE outcome = 'refused'),
+         count(*) FILTER (WHERE outcome = 'not_found'),
+         CASE WHEN count(DISTINCT tenant) = 1 AND count(tenant) = count(*) THEN min(tenant) END
+    INTO v_done, v_refused, v_not_found, v_tenant
+    FROM latest;
+  v_counts := jsonb_build_object('selected', v_selected, 'done', v_done, 'refused', v_refused,
+    'not_found', v_not_found, 'unrecorded', v_selected - v_done - v_refused - v_not_found);
+  v_result := CASE WHEN v_done = v_selected THEN 'done'
+                   WHEN v_done = 0 THEN 'refused' ELSE 'partial' END;
+  INSERT INTO custody.audit (actor, action, tenant, target, reason, inputs, outcome)
+  VALUES (v_actor, p_action, coalesce(p_filter->>'tenant', v_tenant), 'batch', p_reason,
+          jsonb_build_object('filter', p_filter) || v_counts, v_result);
+  -- the batch row is written whatever its commands' results: its own result is done
+  RETURN jsonb_build_object('result', 'done',
+    'message', format('batch %s: %s selected, %s done, %s refused, %s not found', p_action,
+                      v_selected, v_done, v_refused, v_not_found),
+    'data', v_counts || jsonb_build_object('outcome', v_result));
+END $$;
+
+-- Dead letters: a replay of a message of custody.dead-letters to its original exchange
+-- and routing key (`custody dead-letters replay`) is authorized (action "replay"; a dead
+-- letter belongs to no tenant it could prove, so only an operator of every tenant) and
+-- audited. The CLI asks first (p_published false: a refusal is audited, a permission is
+-- not), publishes with a confirm, then records the replay (p_published true) before it
+-- acks the dead letter: a crash in between leaves a duplicate, which the consumers'
+-- deterministic identities absorb, never a loss.
+CREATE OR REPLACE FUNCTION custody.dead_letter_replay(
+  p_message_id text, p_exchange text, p_routing_key text, p_reason text, p_detail jsonb,
+  p_published boolean
+) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER SET search_path = custody, pg_temp AS $$
+DECLARE
+  v_actor text := custody.operator_actor();
+  v_inputs jsonb := jsonb_build_object('message_id', p_message_id, 'exchange', p_exchange,
+                                       'routing_key', p_routing_key)
+                    || coalesce(p_detail, '{}');
+  -- a dead letter the CLI will not replay (a receipt, an undecodable one) is refused
+  -- and audited here too, with the CLI's reason
+  v_why text := coalesce(custody.refusal(v_actor, 'replay', NULL, p_reason),
+                         p_detail->>'unreplayable');
+BEGIN
+  IF v_why IS NOT NULL THEN
+    RETURN custody.outcome(v_actor, 'replay', NULL, p_message_id, p_reason, v_inputs,
+                           'refused', v_why);
+  END IF;
+  IF NOT p_published THEN
+    RETURN jsonb_build_object('result', 'done', 'message', 'authorized', 'data', '{}'::jsonb);
+  END IF;
+  RETURN custody.outcome(v_actor, 'replay', NULL, p_message_id, p_reason, v_inputs, 'done',
+    format('dead letter %s replayed to %s with routing key %s', p_message_id, p_exchange,
+           p_routing_key),
+    jsonb_build_object('message_id', p_message_id, 'exchange', p_exchange,
+                       'routing_key', p_routing_key));
+END $$;
+
 -- Ownership and EXECUTE ---------------------------------------------------------------
 DO $$
 DECLARE f regprocedure;
@@ -697,6 +779,8 @@ GRANT EXECUTE ON FUNCTION custody.reconcile(text, text), custody.retry_safe(text
   custody.cancel_start(text, text, text), custody.restore_mark(text),
   custody.restore_reconcile(text, uuid[], int), custody.restore_resume(text, boolean)
   TO PUBLIC;
+GRANT EXECUTE ON FUNCTION custody.batch_audit(text, jsonb, text, text[], timestamptz),
+  custody.dead_letter_replay(text, text, text, text, jsonb, boolean) TO PUBLIC;
 -- the workers' automatic policies and engine-channel cancels
 GRANT EXECUTE ON FUNCTION custody.t_reconcile(text, text, text),
   custody.t_retry_safe(text, text, text), custody.t_resend_cancels(text, int)
@@ -773,5 +857,31 @@ BEGIN
                         WHEN t IN ('history', 'node_states', 'successor_intents')
                           THEN by_instance
                         ELSE by_operation END);
+  END LOOP;
+END $$;
+
+-- The archive (schema.sql): operators read their tenants' archived rows, as the hot ones
+-- (the restore report looks up archived attempts too); nobody writes there but the
+-- archiver's function.
+GRANT USAGE ON SCHEMA custody_archive TO custody_operators;
+GRANT SELECT ON ALL TABLES IN SCHEMA custody_archive TO custody_operators;
+DO $$
+DECLARE
+  t text;
+  own_tenant text := '(SELECT custody.visible_tenants()) && ARRAY[''*'', tenant]';
+  by_instance text :=
+    'EXISTS (SELECT 1 FROM custody_archive.instances i WHERE i.id = instance_id)';
+  by_operation text :=
+    'EXISTS (SELECT 1 FROM custody_archive.operations o WHERE o.id = operation_id)';
+BEGIN
+  FOREACH t IN ARRAY ARRAY['instances', 'operations', 'node_states', 'attempts', 'history',
+                           'successor_intents'] LOOP
+    EXECUTE format('ALTER TABLE custody_archive.%I ENABLE ROW LEVEL SECURITY', t);
+    EXECUTE format('DROP POLICY IF EXISTS operators ON custody_archive.%I', t);
+    EXECUTE format('CREATE POLICY operators ON custody_archive.%I FOR SELECT '
+                   'TO custody_operators USING (%s)', t,
+                   CASE WHEN t IN ('instances', 'operations') THEN own_tenant
+                        WHEN t = 'attempts' THEN by_operation
+                        ELSE by_instance END);
   END LOOP;
 END $$;

@@ -3,15 +3,24 @@
 #   Dockerfile        hadolint
 #   compose.yaml      compose-spec JSON Schema + `docker compose config -q` (Compose v2)
 #   k8s/              kustomize render (base, overlays/*) | kubernetes-validate --strict,
-#                     KEDA objects against the vendored schemas in k8s/schemas/,
+#                     the custom resources (KEDA ScaledObject and TriggerAuthentication,
+#                     the Prometheus Operator's PodMonitor and PrometheusRule) against the
+#                     vendored schemas in k8s/schemas/ (kubernetes-validate only warns),
 #                     the operator pod of docs/deploy.md (kubernetes-validate),
 #                     ConfigMap sources identical to deploy/routes.toml, operators.toml,
 #                     processes/
 #   prometheus/       promtool check config + check rules + test rules
-#   grafana/          every panel expression parses (promtool), provisioning is YAML
-#   rabbitmq/         definitions.json is JSON (its content: tests/integration/test_definitions.py)
+#   PromQL            every expression of deploy/ (alerts, dashboard panels, KEDA
+#                     triggers) parses with promtool
+#   grafana/          provisioning is YAML
+#   rabbitmq/         definitions.json is JSON
+#   custody's own     python -m deploycheck check (.venv): every PromQL reads only metric
+#                     names, labels and label values the code declares; KEDA fallbacks,
+#                     queues and vhost; definitions.json is the topology the code applies;
+#                     the generated PrometheusRule and dashboard ConfigMap are up to date
 #   all YAML          yamllint (relaxed)
-# Tools come from scripts/install-lint-tools.sh (.venv-tools); kubectl from the system.
+# Tools come from scripts/install-lint-tools.sh (.venv-tools); kubectl from the system;
+# deploycheck from the project's .venv (CUSTODY_PY).
 # Exits non-zero if any check fails; prints the output of failing checks only.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -21,6 +30,7 @@ K8S_VERSION=${CUSTODY_K8S_VERSION:-1.33.0}
 T="$TOOLS/bin"
 PROMTOOL="$T/promtool"
 [ -x "$PROMTOOL" ] || PROMTOOL=$(command -v promtool || true)
+PY=${CUSTODY_PY:-.venv/bin/python}
 
 missing=()
 for tool in "$T/hadolint" "$T/check-jsonschema" "$T/kubernetes-validate" "$T/yamllint" \
@@ -28,6 +38,7 @@ for tool in "$T/hadolint" "$T/check-jsonschema" "$T/kubernetes-validate" "$T/yam
   [ -x "$tool" ] || missing+=("$tool")
 done
 [ -n "$PROMTOOL" ] || missing+=("promtool")
+[ -x "$PY" ] || missing+=("$PY (make install)")
 command -v kubectl >/dev/null 2>&1 || missing+=("kubectl")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "lint-deploy: missing ${missing[*]}; run: bash scripts/install-lint-tools.sh" >&2
@@ -70,10 +81,11 @@ kustomize_validate() {
   "$T/kubernetes-validate" --strict --quiet --no-warn -k "$K8S_VERSION" "$out"
 }
 
-# KEDA objects of every rendered kustomization, one file each, against their schemas.
-keda_validate() {
+# Custom resources (KEDA's, the Prometheus Operator's) of every rendered kustomization,
+# one file each, against their vendored schemas: kubernetes-validate knows no CRD.
+crd_validate() {
   local kind=$1 schema=$2
-  rm -rf "$WORK/keda" && mkdir -p "$WORK/keda"
+  rm -rf "$WORK/crd" && mkdir -p "$WORK/crd"
   "$T/python" - "$WORK" "$kind" <<'PY' || return 1
 import pathlib, sys, yaml
 work, kind = pathlib.Path(sys.argv[1]), sys.argv[2]
@@ -83,11 +95,11 @@ for rendered in sorted(work.glob("deploy_k8s_*.yaml")):
         if doc and doc.get("kind") == kind:
             count += 1
             name = f"{rendered.stem}--{doc['metadata']['name']}.yaml"
-            (work / "keda" / name).write_text(yaml.safe_dump(doc))
+            (work / "crd" / name).write_text(yaml.safe_dump(doc))
 if not count:
     sys.exit(f"no {kind} in the rendered manifests")
 PY
-  "$T/check-jsonschema" --schemafile "$schema" "$WORK"/keda/*.yaml
+  "$T/check-jsonschema" --schemafile "$schema" "$WORK"/crd/*.yaml
 }
 
 # The operator pod of docs/deploy.md ("Operator commands"), for the operator login
@@ -146,34 +158,12 @@ config_copies_match() {
   return $rc
 }
 
-# Every panel expression of every dashboard, as recording rules, through promtool.
-dashboard_exprs_parse() {
-  "$T/python" - "$WORK/dashboard-rules.yaml" deploy/grafana/dashboards/*.json <<'PY' || return 1
-import json, sys, yaml
-out, paths = sys.argv[1], sys.argv[2:]
-# Grafana's built-in range variables, replaced by a literal duration for parsing.
-macros = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
-rules = []
-def walk(panels):
-    for panel in panels:
-        yield panel
-        yield from walk(panel.get("panels", []))
-for path in paths:
-    dash = json.load(open(path))
-    for panel in walk(dash.get("panels", [])):
-        for target in panel.get("targets", []):
-            expr = target.get("expr")
-            if not expr:
-                continue
-            for macro, value in macros.items():
-                expr = expr.replace(macro, value)
-            rules.append({"record": f"dashboard:panel_{panel['id']}_{target['refId']}", "expr": expr})
-if not rules:
-    sys.exit("no panel expressions found")
-yaml.safe_dump({"groups": [{"name": "dashboard-exprs", "rules": rules}]}, open(out, "w"))
-print(f"{len(rules)} expressions")
-PY
-  "$PROMTOOL" check rules "$WORK/dashboard-rules.yaml"
+# Every PromQL expression of deploy/ (alerts, dashboard panels with Grafana's macros
+# replaced, KEDA prometheus triggers), as recording rules, through promtool: the real
+# Prometheus parser. (deploycheck parses them too, to check what they read.)
+promql_parses() {
+  "$PY" -m deploycheck exprs "$WORK/deploy-exprs.yaml" || return 1
+  "$PROMTOOL" check rules "$WORK/deploy-exprs.yaml"
 }
 
 json_files_parse() {
@@ -185,7 +175,8 @@ json_files_parse() {
 }
 
 yaml_lint() {
-  "$T/yamllint" --no-warnings -d '{extends: relaxed, rules: {line-length: {max: 200}}}' \
+  # the generated dashboard ConfigMap carries the dashboard's JSON lines as they are
+  "$T/yamllint" --no-warnings -d '{extends: relaxed, rules: {line-length: {max: 200, ignore: deploy/k8s/base/grafana-dashboards.yaml}}}' \
     deploy/compose.yaml deploy/k8s deploy/prometheus deploy/grafana
 }
 
@@ -199,12 +190,15 @@ for dir in deploy/k8s/base deploy/k8s/overlays/*/; do
   check "k8s: kubectl kustomize $dir | kubernetes-validate --strict -k $K8S_VERSION" kustomize_validate "$dir"
 done
 check "k8s: the operator pod of docs/deploy.md | kubernetes-validate --strict" operator_pod_validates
-check "k8s: KEDA ScaledObjects (vendored schema)" keda_validate ScaledObject deploy/k8s/schemas/scaledobject.schema.json
-check "k8s: KEDA TriggerAuthentications (vendored schema)" keda_validate TriggerAuthentication deploy/k8s/schemas/triggerauthentication.schema.json
+check "k8s: KEDA ScaledObjects (vendored schema)" crd_validate ScaledObject deploy/k8s/schemas/scaledobject.schema.json
+check "k8s: KEDA TriggerAuthentications (vendored schema)" crd_validate TriggerAuthentication deploy/k8s/schemas/triggerauthentication.schema.json
+check "k8s: PodMonitors (vendored Prometheus Operator schema)" crd_validate PodMonitor deploy/k8s/schemas/podmonitor.schema.json
+check "k8s: PrometheusRule (vendored Prometheus Operator schema)" crd_validate PrometheusRule deploy/k8s/schemas/prometheusrule.schema.json
 check "prometheus: promtool check config" "$PROMTOOL" check config deploy/prometheus/prometheus.yml
 check "prometheus: promtool check rules" "$PROMTOOL" check rules deploy/prometheus/alerts.yaml
 check "prometheus: promtool test rules" "$PROMTOOL" test rules deploy/prometheus/tests/alerts_test.yaml
-check "grafana: every dashboard expression parses" dashboard_exprs_parse
+check "promql: every expression of alerts, dashboards and KEDA triggers parses (promtool)" promql_parses
+check "custody: PromQL vs the code's metrics and labels, KEDA, definitions.json, generated files" "$PY" -m deploycheck check
 check "json: definitions, dashboards, schemas" json_files_parse
 check "yamllint (relaxed)" yaml_lint
 

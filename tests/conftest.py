@@ -24,6 +24,7 @@ from workers import provision
 from workers.harness import fleet
 from workers.harness.env import with_vhost
 from workers.io import broker
+from workers.runtime import metrics
 from workers.settings import ROOT, Settings
 
 # CI runs the property tests derandomized: the same examples every run, so a red CI is
@@ -47,6 +48,13 @@ def database_url(name: str) -> str:
 def admin_execute(statement: sql.Composable) -> None:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(statement)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def every_metric_family() -> None:
+    """Workers run in the test process (the in-process fleets, a unit called directly)
+    record every family; a worker process exports only its own (``custody run``)."""
+    metrics.register_all()
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,10 @@ class Settings:
     retention_s: float = 30 * 86400.0
     replay_horizon_s: float = 7 * 86400.0
     restore_horizon_s: float = 7 * 86400.0
+    # A finished instance moves to the archive (custody_archive) this long after it
+    # finished, with its operations and history; 0: the retention horizon. Never shorter
+    # than the retention horizon (checked at start-up).
+    archive_after_s: float = 0.0
     max_message_bytes: int = 256 * 1024
     batch_size: int = 200
     prefetch: int = 400
@@ -64,6 +68,9 @@ class Settings:
     lease_ttl_s: float = 15.0
     delivery_limit: int = 50  # a backstop: custody dead-letters what fails on its own
     metrics_port: int = 0
+    # The source revision custody_build_info shows (the image's build sets it; empty: a
+    # git checkout's HEAD if there is one, else "unknown").
+    git_revision: str = ""
     log_format: str = "json"
     # SIGTERM: stop claiming, then drain in-flight work this long (keep it below the
     # platform's grace period: terminationGracePeriodSeconds 30, stop_grace_period 30s)

@@ -35,10 +35,10 @@ TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 LIFECYCLE = ("worker.started", "worker.draining", "worker.stopped")
 
 # The families the issue lists, and the process that records each (read from the code:
-# workers/runtime/outbox.py, committer.py, receipts.py, reconciler.py, consumer.py,
-# engine.py, runtime.redo and participant.py). A participant runs its own outbox
-# publisher and consumer, so it also exports the outbox, confirm and redelivery
-# families under its own owner label.
+# workers/runtime/outbox.py, engine/committer.py, engine/receipts.py, engine/reconciler.py,
+# runtime/consume.py, engine/context.py, runtime/supervisor.redo and participant/service.py).
+# A participant runs its own outbox publisher and consumer, so it also exports the outbox,
+# confirm and redelivery families under its own owner label.
 ISSUE_FAMILIES = (
     "custody_outbox_pending_rows",
     "custody_outbox_oldest_pending_age_seconds",
@@ -97,9 +97,11 @@ OWNED: dict[str, list[Expect]] = {
         Expect("custody_publish_confirm_latency_seconds_count", {"owner": "inventory"}, 1),
         Expect("custody_outbox_pending_rows", {"owner": "inventory"}),
         Expect("custody_outbox_oldest_pending_age_seconds", {"owner": "inventory"}),
-        Expect("custody_redeliveries_total", {"worker": "inventory"}),
+        Expect("custody_redeliveries_total", {"worker": "participant-inventory"}),
     ],
 }
+# The worker name each served process has in its logs and its ``worker`` metric label.
+WORKER_NAMES = {**{w: w for w in ENGINE_WORKERS}, **{p: f"participant-{p}" for p in PARTICIPANTS}}
 
 
 # -- processes and HTTP --------------------------------------------------------------

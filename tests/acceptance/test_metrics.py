@@ -1,8 +1,11 @@
 """Observability of real worker processes: probes and metrics.
 
 Every worker type serves /healthz, /readyz and /metrics (CUSTODY_METRICS_PORT); the
-metrics text passes ``promtool check metrics`` and each process exports the metric
-families it owns (``OWNED``), and a malformed receipt is counted as a quarantine.
+metrics text passes ``promtool check metrics``, each process exports exactly the metric
+families its worker type owns (``workers.runtime.metrics.FAMILIES``) with samples for
+them (``OWNED``) and its build info, and a malformed receipt is counted as a
+quarantine. A deliberate dispatch pause shows in the dispatch gauges and never as an
+outbox row waiting to be sent; a fenced confirm mark is one lease loss of the worker.
 
 The shared broker and database are never stopped: a dependency is made unreachable for
 one worker only, through the TCP proxy in ``tests/proxy.py``. Every wait is a bounded
@@ -11,27 +14,37 @@ poll; nothing sleeps a fixed time. The helpers live in ``tests/acceptance/observ
 
 from __future__ import annotations
 
+import os
+import platform
+import signal
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.acceptance.observability import (
     ISSUE_FAMILIES,
     OWNED,
+    WORKER_NAMES,
     Expect,
+    Served,
     declared,
     metrics_text,
     missing,
     promtool_check,
+    samples,
     start,
     status_of,
     wait_ready,
 )
 from tests.acceptance.support import Crew, all_finished, state
-from tests.conftest import Env
+from tests.conftest import Env, wait_until
 from tests.harness import order, publish_raw, publish_starts
+from workers.core import names
 from workers.harness.fleet import ENGINE_WORKERS
 from workers.io import broker
+from workers.runtime import metrics
+from workers.settings import ROOT
 
 pytestmark = pytest.mark.acceptance
 
@@ -90,16 +103,41 @@ async def test_every_worker_serves_probes_and_promtool_clean_metrics_with_the_fa
             f"{w} exports no quarantine sample with the stored reason {reason!r}"
         )
 
+    everywhere: dict[str, str] = {}
     for w, text in texts.items():
         families = declared(text)
-        absent = [f for f in ISSUE_FAMILIES if f not in families]
-        assert not absent, f"{w} /metrics does not declare {absent}"
-        assert families["custody_publish_confirm_latency_seconds"] == "histogram"
-        assert families["custody_operation_end_to_end_seconds"] == "histogram"
-        assert families["custody_operations"] == "gauge"
-        assert families["custody_outbox_pending_rows"] == "gauge"
+        everywhere.update(families)
+        # only the owner exports a family: no other process's 0 for a scaler to read
+        exported = {f for f in families if f.startswith("custody_") and not f.endswith("_created")}
+        owns = {
+            f.name + ("_total" if f.kind == "counter" else "")  # as the TYPE line names it
+            for f in metrics.owned(names.kind_of(WORKER_NAMES[w]))
+        }
+        assert exported == owns, (
+            f"{w} exports families it does not own: {sorted(exported - owns)}; "
+            f"lacks its own: {sorted(owns - exported)}"
+        )
+        build = {
+            "worker": WORKER_NAMES[w],
+            "version": metrics.version(),
+            "python": platform.python_version(),
+            "revision": metrics.git_head(ROOT) or "unknown",
+        }
+        assert not missing(text, [Expect("custody_build_info", build, 1)]), (
+            f"{w}: no custody_build_info{build}:\n"
+            + "\n".join(line for line in text.splitlines() if "build_info" in line)
+        )
         rc, out = promtool_check(text)
         assert rc == 0 and out == "", f"promtool check metrics on {w}: rc {rc}\n{out}"
+    absent = [f for f in ISSUE_FAMILIES if f not in everywhere]
+    assert not absent, f"no process declares {absent}"
+    assert everywhere["custody_publish_confirm_latency_seconds"] == "histogram"
+    assert everywhere["custody_operation_end_to_end_seconds"] == "histogram"
+    assert everywhere["custody_operations"] == "gauge"
+    assert everywhere["custody_outbox_pending_rows"] == "gauge"
+    # the committer's successor-backlog trigger reads the reconciler's gauge alone
+    assert "custody_successor_intents_pending" in declared(texts["reconciler"])
+    assert "custody_successor_intents_pending" not in declared(texts["committer"])
 
 
 @pytest.mark.timeout(90)
@@ -128,4 +166,139 @@ async def test_a_malformed_receipt_is_counted_in_custody_receipts_total_as_quara
     assert not missing(text, [Expect("custody_receipts_total", {"verdict": "quarantine"}, 1)]), (
         "custody_receipts_total has no verdict=quarantine sample for the malformed receipt:\n"
         + "\n".join(line for line in text.splitlines() if "custody_receipts" in line)
+    )
+
+
+def _values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(labels, value) for n, labels, value in samples(text) if n == name]
+
+
+@pytest.mark.timeout(120)
+async def test_a_deliberate_dispatch_pause_is_counted_as_held_never_as_a_stuck_outbox(
+    env: Env, crew: Crew
+) -> None:
+    """A submit held by the global pause (``custody dispatch pause``), then by its
+    instance's pause, stays pending on purpose: the publisher's outbox gauges (what
+    ``CustodyOutboxStuck`` and the publisher's scaler read) do not count it, however old
+    it gets, while the reconciler's dispatch gauges show the pauses and the held submit;
+    resumed, it is sent and nothing is held."""
+    publisher, reconciler = start(crew, "publisher"), start(crew, "reconciler")
+    start(crew, "committer", port=0)
+    await wait_ready(crew, [publisher, reconciler])
+    await env.sql("UPDATE custody.control SET dispatch_paused = true")
+    await publish_starts(env.settings, [order(0)])
+
+    async def held_submit() -> bool:
+        return bool(
+            await env.scalar(
+                "SELECT count(*) FROM custody.outbox WHERE kind = 'submit' AND status = 'pending'"
+                " AND created_at < now() - interval '2 seconds'"
+            )
+        )
+
+    await crew.wait(held_submit, timeout=30, what="a submit held for 2s by the global pause")
+
+    async def shows(text_of: Served, name: str, labels: dict[str, str], value: float) -> bool:
+        text = await metrics_text(text_of)
+        got = [v for lab, v in _values(text, name) if labels.items() <= lab.items()]
+        return got == [value]
+
+    async def paused_globally() -> bool:
+        return await shows(
+            reconciler, "custody_dispatch_paused", {"owner": "engine", "scope": "global"}, 1
+        ) and await shows(reconciler, "custody_dispatch_held_submits", {}, 1)
+
+    await crew.wait(paused_globally, timeout=20, what="the reconciler's global-pause gauges")
+    text = await metrics_text(publisher)
+    assert _values(text, "custody_outbox_pending_rows") == [({"owner": "engine"}, 0.0)], text
+    assert _values(text, "custody_outbox_oldest_pending_age_seconds") == [
+        ({"owner": "engine"}, 0.0)
+    ], "a submit held by the global pause counted as waiting to be sent"
+    assert _values(text, "custody_dispatch_paused") == [
+        ({"owner": "engine", "scope": "publisher"}, 0.0)
+    ], "the publisher was started without CUSTODY_DISPATCH_PAUSED"
+
+    # the instance's own pause holds it too, once the global one is lifted
+    await env.sql("UPDATE custody.instances SET dispatch_paused = true")
+    await env.sql("UPDATE custody.control SET dispatch_paused = false")
+
+    async def paused_for_the_instance() -> bool:
+        return (
+            await shows(reconciler, "custody_dispatch_paused", {"scope": "global"}, 0)
+            and await shows(reconciler, "custody_dispatch_paused_instances", {}, 1)
+            and await shows(reconciler, "custody_dispatch_held_submits", {}, 1)
+        )
+
+    await crew.wait(paused_for_the_instance, timeout=20, what="the instance-pause gauges")
+    text = await metrics_text(publisher)
+    assert _values(text, "custody_outbox_oldest_pending_age_seconds") == [
+        ({"owner": "engine"}, 0.0)
+    ], "a submit held by its instance's pause counted as waiting to be sent"
+
+    await env.sql("UPDATE custody.instances SET dispatch_paused = false")
+
+    async def sent() -> bool:
+        return not await env.scalar(
+            "SELECT count(*) FROM custody.outbox WHERE kind = 'submit' AND status = 'pending'"
+        ) and await shows(reconciler, "custody_dispatch_held_submits", {}, 0)
+
+    await crew.wait(sent, timeout=30, what="the resumed submit sent and nothing held")
+
+
+def _proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(120)
+async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_worker(
+    env: Env, crew: Crew
+) -> None:
+    """The publisher freezes between a confirm and its mark, past its lease; resumed, its
+    heartbeat takes the lease back (epoch 2) and the mark is refused by the fence
+    (``lease.fenced``). That is one lease loss: ``custody_lease_losses_total`` is 1, for
+    ``worker="publisher"``, and there is no sample for the outbox's owner (``engine``)."""
+    start(crew, "committer", port=0)
+    zombie = start(crew, "publisher", CUSTODY_STOP_POINTS="after_confirm_before_mark")
+    await wait_ready(crew, [zombie])
+    await publish_starts(env.settings, [order(0)])
+
+    async def frozen() -> bool:
+        return _proc_state(zombie.proc.popen.pid) == "T"
+
+    await crew.wait(frozen, timeout=30, what="the publisher to freeze before its mark")
+    holder = f"%-{zombie.proc.popen.pid}-%"
+
+    async def expired() -> bool:
+        return (
+            await env.scalar(
+                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
+                (holder,),
+            )
+            is True
+        )
+
+    await wait_until(expired, timeout=30, what="the frozen publisher's lease to expire")
+    os.kill(zombie.proc.popen.pid, signal.SIGCONT)
+
+    async def fenced_and_retaken() -> bool:
+        epoch = await env.scalar(
+            "SELECT max(epoch) FROM custody.leases WHERE holder LIKE %s", (holder,)
+        )
+        return epoch == 2 and "lease.fenced" in zombie.proc.log.read_text()
+
+    await crew.wait(fenced_and_retaken, timeout=30, what="the mark fenced and the lease retaken")
+    # one more start through the resumed publisher: it works on under epoch 2
+    published = sum(
+        v for _, v in _values(await metrics_text(zombie), "custody_outbox_published_total")
+    )
+    await publish_starts(env.settings, [order(1)])
+
+    async def moved_on() -> bool:
+        text = await metrics_text(zombie)
+        return sum(v for _, v in _values(text, "custody_outbox_published_total")) > published
+
+    await crew.wait(moved_on, timeout=30, what="the resumed publisher to publish again")
+    losses = _values(await metrics_text(zombie), "custody_lease_losses_total")
+    assert losses == [({"worker": "publisher"}, 1.0)], (
+        f"one lease loss of worker publisher, counted once; got {losses}"
     )

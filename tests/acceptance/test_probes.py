@@ -3,7 +3,7 @@
 Liveness (/healthz) does not depend on the broker or the database, while readiness
 (/readyz) follows the connections: a broker or database outage turns it 503, and both
 recover when the dependency comes back; a connection lost while a consumer is set up
-does not kill the worker.
+does not kill the worker; and a drain turns /readyz 503 from its first moment.
 
 The shared broker and database are never stopped: a dependency is made unreachable for
 one worker only, through the TCP proxy in ``tests/proxy.py``. Every wait is a bounded
@@ -12,6 +12,10 @@ poll; nothing sleeps a fixed time. The helpers live in ``tests/acceptance/observ
 
 from __future__ import annotations
 
+import json
+import signal
+
+import psycopg
 import pytest
 
 from tests.acceptance.observability import (
@@ -181,3 +185,45 @@ async def test_a_database_outage_keeps_healthz_200_turns_readyz_503_and_both_rec
             return await status_of(s, "/readyz") == 200
 
         await poll(ready_again, timeout=30, what="/readyz 200 again", alive=[s.proc])
+
+
+@pytest.mark.timeout(90)
+async def test_readyz_turns_503_as_soon_as_a_drain_starts_and_healthz_stays_200(
+    env: Env, crew: Crew
+) -> None:
+    """SIGTERM starts the drain: from then on /readyz is 503 with ``draining`` (a Service
+    stops routing to the pod, a load balancer takes it out) while /healthz stays 200 and
+    the in-flight unit finishes; then the worker exits 0. The publisher's claim is held
+    in flight by a lock the test takes on the outbox, so the drain lasts until the test
+    lets it end."""
+    s = start(crew, "publisher", CUSTODY_DRAIN_GRACE_S="60")
+    await wait_ready(crew, [s])
+    async with await psycopg.AsyncConnection.connect(env.settings.database_url) as lock:
+        await lock.execute("LOCK TABLE custody.outbox IN ACCESS EXCLUSIVE MODE")
+
+        async def claim_blocked() -> bool:
+            return bool(
+                await env.scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND usename = 'custody_publisher' AND wait_event_type = 'Lock'"
+                )
+            )
+
+        await poll(
+            claim_blocked, timeout=20, what="the publisher's claim on the lock", alive=[s.proc]
+        )
+        assert await status_of(s, "/readyz") == 200, "ready while a unit is merely in flight"
+        crew.fleet.signal(s.proc, signal.SIGTERM)
+
+        async def draining() -> bool:
+            assert await status_of(s, "/healthz") == 200, f"/healthz failed:\n{tail(s.proc)}"
+            got = await http_get(s.port, "/readyz")
+            return got is not None and got[0] == 503 and json.loads(got[1]).get("draining") is True
+
+        try:
+            await poll(draining, timeout=10, what="/readyz 503 draining", alive=[s.proc])
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: /readyz {await http_get(s.port, '/readyz')}") from None
+        assert "worker.stopped" not in s.proc.log.read_text(), "the drain ended too early"
+        await lock.rollback()  # the claim goes on; the drain ends
+    assert await sigterm(crew, s.proc) == 0, tail(s.proc)

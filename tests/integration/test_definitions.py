@@ -28,6 +28,8 @@ from typing import Any
 import aio_pika
 import pytest
 
+from deploycheck import checks
+from deploycheck.sources import Deploy
 from tests.conftest import AMQP, MGMT, wait_until
 from workers.core import routes
 from workers.harness.env import with_vhost
@@ -45,45 +47,9 @@ def _plan() -> dict[str, Any]:
 
 
 def expected_definitions(vhost: str = "/") -> dict[str, Any]:
-    """The definitions file for ``vhost``, built from the topology plan and the policy."""
-    plan = _plan()
-    policy = broker.policy_definition(DELIVERY_LIMIT)
-    return {
-        "exchanges": [
-            {
-                "name": ex["name"],
-                "vhost": vhost,
-                "type": ex["type"],
-                "durable": True,
-                "auto_delete": False,
-                "internal": False,
-                "arguments": {},
-            }
-            for ex in plan["exchanges"]
-        ],
-        "queues": [
-            {
-                "name": name,
-                "vhost": vhost,
-                "durable": True,
-                "auto_delete": False,
-                "arguments": {"x-queue-type": "quorum"},
-            }
-            for name in plan["queues"]
-        ],
-        "bindings": [
-            {
-                "source": exchange,
-                "vhost": vhost,
-                "destination": queue,
-                "destination_type": "queue",
-                "routing_key": key,
-                "arguments": {},
-            }
-            for exchange, queue, key in plan["bindings"]
-        ],
-        "policies": [{"vhost": vhost, "name": broker.POLICY_NAME, **policy}],
-    }
+    """The definitions file for ``vhost``, built from the topology plan and the policy
+    (the one builder, which ``make lint`` compares the file with: deploycheck)."""
+    return checks.expected_definitions(Deploy(ROOT), vhost)
 
 
 def render(definitions: dict[str, Any]) -> str:

@@ -40,7 +40,28 @@ REFUSED = [
     ("custody_receipts", "UPDATE custody.instances SET routes = '{}'"),
     ("custody_committer", "UPDATE custody.operations SET result = '{}'"),
     ("custody_committer", "UPDATE custody.outbox SET body = ''"),
+    # the reconciler moves statuses only (deadlines, query timeouts, suspending an
+    # instance): it cannot forge an outcome's evidence nor re-point an operation
+    ("custody_reconciler", "UPDATE custody.operations SET result = '{}'"),
+    ("custody_reconciler", "UPDATE custody.operations SET effect = 'applied'"),
+    ("custody_reconciler", "UPDATE custody.operations SET binding = 'payments.v1'"),
+    ("custody_reconciler", "UPDATE custody.operations SET digest = 'x'"),
+    ("custody_reconciler", "UPDATE custody.instances SET routes = '{}'"),
+    ("custody_reconciler", "UPDATE custody.node_states SET status = 'active'"),
     ("custody_participant_inventory", "SELECT count(*) FROM custody.operations"),
+    # archival: the reconciler only calls the archiver's function, which moves finished
+    # instances; it deletes no hot row and writes no archived one itself
+    ("custody_reconciler", "DELETE FROM custody.instances"),
+    ("custody_reconciler", "DELETE FROM custody.operations"),
+    ("custody_reconciler", "DELETE FROM custody.history"),
+    ("custody_reconciler", "DELETE FROM custody.attempts"),
+    ("custody_reconciler", "SELECT count(*) FROM custody_archive.operations"),
+    ("custody_reconciler", "INSERT INTO custody_archive.history SELECT * FROM custody.history"),
+    ("custody_reconciler", "DELETE FROM custody_archive.instances"),
+    ("custody_committer", "SELECT custody_archive.move_finished(0, 1000)"),
+    ("custody_publisher", "SELECT custody_archive.move_finished(0, 1000)"),
+    ("custody_receipts", "SELECT custody_archive.move_finished(0, 1000)"),
+    ("custody_participant_inventory", "SELECT custody_archive.move_finished(0, 1000)"),
 ]
 AUDIT_WRITERS = [
     "custody_committer",
@@ -208,6 +229,39 @@ def test_a_status_change_the_lifecycle_forbids_is_refused_by_the_database(
     with psycopg.connect(shared.settings.database_url) as conn:
         row = conn.execute(f"SELECT status::text FROM custody.{table} WHERE id = %s", (ident,))  # type: ignore[arg-type]
         assert row.fetchone() == (before,)
+
+
+@pytest.mark.parametrize("table", ["operations", "instances"])
+def test_every_status_change_outside_the_lifecycle_table_is_refused_even_to_the_owner(
+    shared: Env, table: str
+) -> None:
+    """Not a sample: every (from, to) pair of the status type that the lifecycle table
+    lacks is refused by the guard (CU002) to the table's owner, who has every
+    privilege; the worker and operator roles are refused a subset of what it may do."""
+    kind = table.rstrip("s")
+    with psycopg.connect(shared.settings.database_url) as conn:
+        statuses = [
+            r[0]
+            for r in conn.execute(
+                f"SELECT unnest(enum_range(NULL::custody.{kind}_status))::text"  # type: ignore[arg-type]
+            ).fetchall()
+        ]
+        allowed = set(
+            conn.execute(
+                f"SELECT from_status::text, to_status::text FROM custody.{kind}_transitions"  # type: ignore[arg-type]
+            ).fetchall()
+        )
+    illegal = [(a, b) for a in statuses for b in statuses if a != b and (a, b) not in allowed]
+    assert len(illegal) > len(ILLEGAL)
+    with psycopg.connect(shared.settings.database_url) as conn:
+        for before, after in illegal:
+            ident = _row(shared, table, before)
+            with pytest.raises(psycopg.Error) as refused, conn.transaction():
+                conn.execute(
+                    f"UPDATE custody.{table} SET status = %s WHERE id = %s",  # type: ignore[arg-type]
+                    (after, ident),
+                )
+            assert refused.value.sqlstate == "CU002", (before, after, refused.value)
 
 
 def test_a_status_change_the_lifecycle_allows_still_goes_through(env: Env) -> None:

@@ -59,6 +59,11 @@ DIRECT_EDITS = [
     "SELECT custody.issue_command(gen_random_uuid(), 'submit', 1, NULL)",
     "SET ROLE custody_definer",
     "SET ROLE custody_reconciler",
+    # the archive: operators read it, nobody but the archiver's function writes it
+    "SELECT custody_archive.move_finished(0, 1000)",
+    "DELETE FROM custody_archive.instances",
+    "INSERT INTO custody_archive.instances SELECT * FROM custody.instances",
+    "SET ROLE custody_archiver",
 ]
 
 
@@ -351,6 +356,38 @@ def test_an_operator_scoped_to_a_tenant_reads_only_that_tenants_rows(
         with _as(env, wide) as conn:
             [(count,)] = conn.execute(f"SELECT count(*) FROM custody.{table}").fetchall()  # type: ignore[arg-type]
         assert count == everything
+
+
+TENANT_FREE = {
+    "control",
+    "leases",
+    "operators",
+    "operation_events",
+    "operation_transitions",
+    "instance_transitions",
+}
+
+
+def test_every_relation_an_operator_reads_is_tenant_free_or_under_row_level_security(
+    env: Env,
+) -> None:
+    """A new table or view cannot slip past tenant isolation: what an operator login may
+    SELECT in schema custody (or custody_archive) is a table under row-level security, a
+    view that runs with the reader's rights (so under the tables' policies), or a table of
+    no tenant. A view that runs with its owner's would show acme-support every tenant's
+    rows."""
+    with _as(env, "acme-support") as conn:
+        rows = conn.execute(
+            "SELECT c.relname::text, c.relkind IN ('r', 'p') AND c.relrowsecurity,"
+            " c.relkind = 'v' AND coalesce(c.reloptions::text ~* 'security_invoker=(true|on)',"
+            " false) FROM pg_class c"
+            " WHERE c.relnamespace IN ('custody'::regnamespace, 'custody_archive'::regnamespace)"
+            " AND c.relkind IN ('r', 'p', 'v', 'm', 'f') AND has_table_privilege(c.oid, 'SELECT')"
+        ).fetchall()
+    readable = {name for name, _, _ in rows}
+    assert set(TENANT_TABLES) <= readable
+    exposed = {name for name, rls, invoker in rows if not (rls or invoker)} - TENANT_FREE
+    assert exposed == set()
 
 
 async def test_the_cli_lists_only_the_operators_tenants(env: Env, seeded: dict[str, str]) -> None:

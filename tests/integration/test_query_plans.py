@@ -11,6 +11,7 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any, LiteralString
@@ -19,14 +20,28 @@ import psycopg
 import pytest
 from psycopg import sql as pg_sql
 
-from tests.conftest import PG_ADMIN
+from tests.conftest import admin_execute, database_url
 from workers import provision
+from workers.engine import retention as engine_retention
 from workers.io import sql
+from workers.participant import retention as participant_retention
 
 ROWS = 20_000  # settled rows per table; one in a hundred is live
 PARTICIPANT = "inventory"
 # Tables that grow with the traffic: never read in full by a claim.
-GROWING = {"instances", "operations", "attempts", "outbox", "successor_intents", "inbox"}
+GROWING = {
+    "instances",
+    "operations",
+    "attempts",
+    "outbox",
+    "successor_intents",
+    "inbox",
+    "receipt_inbox",
+    "quarantine",
+    "history",
+    "node_states",
+    "receipts",
+}
 
 # name -> (the index the claim must use, parameters, engine or participant schema)
 CLAIMS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -58,6 +73,20 @@ def _id(prefix: int) -> LiteralString:
     return f"('{prefix:08x}-0000-0000-0000-' || lpad(to_hex(g), 12, '0'))::uuid"
 
 
+# a row's age: one in a hundred just past the 30-day horizon, the others younger
+_AGE_G: LiteralString = (
+    "(CASE WHEN g % 100 = 50 THEN interval '31 days' ELSE (g % 97) * interval '7 hours' END)"
+)
+
+
+def _age(key: LiteralString) -> LiteralString:
+    """The same ages, for an update of existing rows, drawn from the row's ``key``."""
+    return (
+        f"(CASE WHEN abs(hashtext({key}::text)) % 100 = 50 THEN interval '31 days'"
+        f" ELSE (abs(hashtext({key}::text)) % 97) * interval '7 hours' END)"
+    )
+
+
 ENGINE_ROWS: list[LiteralString] = [
     "INSERT INTO custody.instances (id, tenant, start_request_id, process, process_version,"
     " input, status, requested_by, routes)"
@@ -85,6 +114,25 @@ ENGINE_ROWS: list[LiteralString] = [
     f" SELECT {_id(1)}, {_id(3)}, 'succeeded',"
     " CASE WHEN g % 100 = 0 THEN 'pending' ELSE 'done' END"
     f" FROM generate_series(1, {ROWS}) g",
+    # The data lifecycle as it stands between two cleanups: what is settled finished over
+    # the last 30 days, and one row in a hundred has just passed the 30-day horizon.
+    f"UPDATE custody.instances SET finished_at = now() - {_age('id')} WHERE status <> 'running'",
+    f"UPDATE custody.operations SET finished_at = now() - {_age('id')}"
+    " WHERE status IN ('succeeded', 'failed', 'cancelled')",
+    f"UPDATE custody.outbox SET published_at = now() - {_age('id')} WHERE status = 'published'",
+    f"UPDATE custody.outbox SET status = 'retired', created_at = now() - {_age('id')}"
+    " WHERE status = 'published' AND right(id::text, 2) = '07'",
+    "INSERT INTO custody.receipt_inbox (receipt_id, operation_id, attempt, owner_revision,"
+    f" status, content_hash, decision, received_at) SELECT {_id(6)}, {_id(3)}, 1, 1,"
+    f" 'succeeded', 'h', 'applied', now() - {_AGE_G} FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.quarantine (source, reason, detail, tenant, body, worker, received_at)"
+    " SELECT 'custody.receipts', 'wrong_tenant', 'x', 'acme', '\\x00', 'receipts',"
+    f" now() - {_AGE_G} FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.history (instance_id, operation_id, event, actor)"
+    f" SELECT {_id(1)}, {_id(3)}, 'operation.succeeded', 'plan-test'"
+    f" FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO custody.node_states (instance_id, node, activation, operation_id, status)"
+    f" SELECT {_id(1)}, 'n', 1, {_id(3)}, 'done' FROM generate_series(1, {ROWS}) g",
 ]
 
 PARTICIPANT_ROWS: list[LiteralString] = [
@@ -98,16 +146,11 @@ PARTICIPANT_ROWS: list[LiteralString] = [
     f" SELECT {_id(5)}, 'custody.receipts', 'receipt', '\\x00', {_id(3)},"
     " CASE WHEN g % 100 = 0 THEN 'pending' ELSE 'published' END, now() - interval '1 second'"
     f" FROM generate_series(1, {ROWS}) g",
+    "INSERT INTO receipts (receipt_id, request_id, owner_revision, body)"
+    f" SELECT {_id(7)}, {_id(4)}, 1, '\\x00' FROM generate_series(1, {ROWS}) g",
+    f"UPDATE inbox SET completed_at = now() - {_age('request_id')} WHERE status <> 'accepted'",
+    f"UPDATE outbox SET published_at = now() - {_age('id')} WHERE status = 'published'",
 ]
-
-
-def _url(name: str) -> str:
-    return psycopg.conninfo.make_conninfo(PG_ADMIN, dbname=name)
-
-
-def _admin(statement: pg_sql.Composed) -> None:
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(statement)
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +161,29 @@ def databases(templates: tuple[str, str]) -> Iterator[dict[str, tuple[str, str]]
     tag = uuid.uuid4().hex[:10]
     engine_db, part_db = f"custody_plan_{tag}", f"custody_pplan_{tag}"
     for name, template in ((engine_db, engine_tpl), (part_db, part_tpl)):
-        _admin(
+        admin_execute(
             pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                 pg_sql.Identifier(name), pg_sql.Identifier(template)
             )
         )
     schema = provision.participant_schema(PARTICIPANT)
     try:
-        with psycopg.connect(_url(engine_db), autocommit=True) as conn:
+        with psycopg.connect(database_url(engine_db), autocommit=True) as conn:
             for statement in ENGINE_ROWS:
                 conn.execute(statement)
             conn.execute("ANALYZE")
-        with psycopg.connect(_url(part_db), autocommit=True) as conn:
+        with psycopg.connect(database_url(part_db), autocommit=True) as conn:
             conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
             for statement in PARTICIPANT_ROWS:
                 conn.execute(statement)
             conn.execute("ANALYZE")
-        yield {"engine": (_url(engine_db), "custody"), "participant": (_url(part_db), schema)}
+        yield {
+            "engine": (database_url(engine_db), "custody"),
+            "participant": (database_url(part_db), schema),
+        }
     finally:
         for name in (engine_db, part_db):
-            _admin(
+            admin_execute(
                 pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                     pg_sql.Identifier(name)
                 )
@@ -189,6 +235,12 @@ def test_a_claim_query_uses_its_index_and_skips_locked_rows(
 SAMPLES: dict[str, tuple[str, dict[str, Any], str]] = {
     "operations_open_by_status": ("operations_open", {}, "engine"),
     "successor_intents_pending": ("successor_intents_pending", {}, "engine"),
+    # the dispatch gauges: paused instances by their partial index, held submits among
+    # the pending outbox rows only
+    "dispatch_stats": ("instances_dispatch_paused", {}, "engine"),
+    # the outbox gauges (the publisher's, every 5 s; a participant's too)
+    "outbox_stats": ("outbox_pending", {}, "engine"),
+    "outbox_stats ": ("outbox_pending", {}, "participant"),
 }
 
 
@@ -201,7 +253,7 @@ def test_a_metrics_sample_taken_every_poll_reads_only_the_live_rows(
     busiest statement) a sample reads the live rows through their partial index."""
     index, params, kind = SAMPLES[name]
     url, schema = databases[kind]
-    plan = explain(url, schema, sql.query(name), params)
+    plan = explain(url, schema, sql.query(name.strip()), params)
     every = list(nodes(plan))
     full_reads = sorted(
         n["Relation Name"]
@@ -211,3 +263,84 @@ def test_a_metrics_sample_taken_every_poll_reads_only_the_live_rows(
     assert not full_reads, f"{name} reads {full_reads} in full; {plan}"
     used = {n["Index Name"] for n in every if "Index Name" in n}
     assert index in used, f"{name} does not use index {index} (uses {sorted(used)}); {plan}"
+
+
+# Retention and archival (the reconciler's cleanup every minute, each participant's):
+# name -> (the indexes the statement must use, engine or participant schema). A cleanup
+# between two others finds one row in a hundred past its horizon: it reaches those
+# through the index on their time column, oldest first, never reading the table in full.
+RETENTION: dict[str, tuple[set[str], str]] = {
+    "retention_receipts": ({"receipt_inbox_received"}, "engine"),
+    "retention_outbox": ({"outbox_published"}, "engine"),
+    "retention_outbox_retired": ({"outbox_retired"}, "engine"),
+    "retention_quarantine": ({"quarantine_received"}, "engine"),
+    "p_retention_inbox": ({"inbox_settled"}, "participant"),
+    "retention_outbox ": ({"outbox_published"}, "participant"),  # the same query, its schema
+}
+HORIZON = {"horizon": 30 * 86400.0, "limit": 1000}
+
+
+def test_every_retention_query_is_under_a_guard() -> None:
+    """A retention pass added to the engine's or a participant's cleanup is guarded the
+    day it is added (the archival has its own guard below)."""
+    guarded = {(name.strip(), kind) for name, (_, kind) in RETENTION.items()}
+    run = {(q, "engine") for _, q in engine_retention.DELETES}
+    run |= {(q, "participant") for _, q in participant_retention.DELETES}
+    assert run == guarded
+
+
+def _full_reads(every: list[dict[str, Any]]) -> list[str]:
+    return sorted(
+        n["Relation Name"]
+        for n in every
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in GROWING
+    )
+
+
+@pytest.mark.parametrize("name", list(RETENTION))
+def test_a_retention_delete_reaches_the_old_rows_through_their_time_index(
+    name: str, databases: dict[str, tuple[str, str]]
+) -> None:
+    indexes, kind = RETENTION[name]
+    url, schema = databases[kind]
+    plan = explain(url, schema, sql.query(name.strip()), HORIZON)
+    every = list(nodes(plan))
+    assert not _full_reads(every), f"{name} reads {_full_reads(every)} in full; {plan}"
+    used = {n["Index Name"] for n in every if "Index Name" in n}
+    assert indexes <= used, f"{name} does not use {sorted(indexes)} (uses {sorted(used)}); {plan}"
+
+
+def nested_plans(
+    url: str, schema: str, statement: LiteralString, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The plans of every statement a call runs, the function bodies' included
+    (auto_explain, reported to this session), in a transaction rolled back."""
+    messages: list[str] = []
+    with psycopg.connect(url) as conn:
+        conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
+        conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
+        conn.execute("LOAD 'auto_explain'")
+        conn.execute("SET auto_explain.log_min_duration = 0")
+        conn.execute("SET auto_explain.log_nested_statements = on")
+        conn.execute("SET auto_explain.log_format = 'json'")
+        conn.execute("SET auto_explain.log_level = 'notice'")
+        psycopg.ClientCursor(conn).execute(statement, params)
+        conn.rollback()
+    return [json.loads(m[m.index("{") :]) for m in messages if "plan:" in m]
+
+
+def test_the_archival_reaches_finished_instances_through_their_index(
+    databases: dict[str, tuple[str, str]],
+) -> None:
+    """The archive pass (custody_archive.move_finished, run as its SQL function runs it)
+    finds the instances finished before the horizon through ``instances_finished``, and
+    each one's operations, receipts, outbox rows, history, node states and attempts by
+    their keys: no table that grows with the traffic is read in full."""
+    url, schema = databases["engine"]
+    params = {"horizon": HORIZON["horizon"], "limit": engine_retention.ARCHIVE_BATCH}
+    plans = nested_plans(url, schema, sql.query(engine_retention.ARCHIVE), params)
+    [body] = [p for p in plans if "WITH candidates AS" in p["Query Text"]]
+    every = list(nodes(body["Plan"]))
+    assert not _full_reads(every), f"the archival reads {_full_reads(every)} in full; {body}"
+    used = {n["Index Name"] for n in every if "Index Name" in n}
+    assert "instances_finished" in used, f"uses {sorted(used)}; {body}"

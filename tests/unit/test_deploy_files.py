@@ -229,8 +229,8 @@ def test_every_deployment_is_locked_down_and_bounded(worker: str) -> None:
     assert sc["capabilities"]["drop"] == ["ALL"]
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(container["resources"][kind]), kind
-    # the drain (workers.runtime, 20s) fits in the grace period
-    assert pod["terminationGracePeriodSeconds"] > 20
+    # the drain (CUSTODY_DRAIN_GRACE_S) fits in the grace period
+    assert pod["terminationGracePeriodSeconds"] > Settings().drain_grace_s
 
 
 @pytest.mark.parametrize("worker", WORKER_TYPES)
@@ -300,6 +300,54 @@ def test_every_worker_type_has_a_scaled_object_on_its_backlog(worker: str) -> No
         assert "custody_outbox_pending_rows" in trigger["metadata"]["query"]
     if worker == "committer":
         assert len(prom) == 1, "the committer's second trigger: its Postgres backlog"
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_worker_type_falls_back_when_its_scaler_fails(worker: str) -> None:
+    """A fallback on every ScaledObject (KEDA's rules for it: python -m deploycheck)."""
+    spec = _by_kind("ScaledObject")[f"custody-{worker}"]["spec"]
+    fallback = spec["fallback"]
+    assert fallback["failureThreshold"] >= 1
+    assert spec["minReplicaCount"] <= fallback["replicas"] <= spec["maxReplicaCount"]
+    assert fallback["behavior"] == "currentReplicasIfHigher", "a Prometheus outage scales down"
+    for trigger in spec["triggers"]:
+        if trigger["type"] == "prometheus":
+            assert trigger["metadata"]["ignoreNullValues"] == "false", trigger["name"]
+
+
+@pytest.mark.parametrize("worker", WORKER_TYPES)
+def test_every_worker_type_has_a_pod_monitor_on_its_metrics_port(worker: str) -> None:
+    """The Prometheus Operator scrapes what a PodMonitor selects (not prometheus.io/*
+    annotations): the worker type's pods, on the port its CUSTODY_METRICS_PORT serves."""
+    monitor = _by_kind("PodMonitor")[f"custody-{worker}"]
+    deployment = _by_kind("Deployment")[f"custody-{worker}"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector["app.kubernetes.io/component"] == worker  # this type's pods only
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    [port] = _container(deployment)["ports"]
+    assert endpoint["port"] == port["name"]
+    assert endpoint["path"] == "/metrics"
+    env = {e["name"]: e.get("value") for e in _container(deployment)["env"]}
+    assert env["CUSTODY_METRICS_PORT"] == str(port["containerPort"])
+
+
+def test_the_alerts_and_the_dashboards_are_shipped_for_the_operator_and_the_sidecar() -> None:
+    """The PrometheusRule carries alerts.yaml's groups unchanged and the dashboard
+    ConfigMap the dashboard's JSON, labelled for the Grafana sidecar, small enough for
+    `kubectl apply` (its last-applied annotation)."""
+    [rule] = _by_kind("PrometheusRule").values()
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+    [dashboards] = [
+        c for c in _by_kind("ConfigMap").values() if "grafana_dashboard" in c["metadata"]["labels"]
+    ]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    source = DEPLOY / "grafana" / "dashboards" / "custody.json"
+    assert json.loads(dashboards["data"]["custody.json"]) == json.loads(source.read_text())
+    size = len(yaml.safe_dump(dashboards).encode())
+    assert size < 262_144, f"{size} bytes: over kubectl apply's annotation limit"
 
 
 def test_migration_job_migrates_then_applies_the_topology() -> None:
@@ -515,8 +563,9 @@ def _worker_roles() -> set[str]:
 
 
 def _group_roles() -> dict[str, str]:
-    """The roles transitions.sql creates, with their LOGIN or NOLOGIN."""
-    text = (ROOT / "transitions.sql").read_text()
+    """The roles transitions.sql (and schema.sql's archive) create by name, with their
+    LOGIN or NOLOGIN."""
+    text = (ROOT / "transitions.sql").read_text() + (ROOT / "schema.sql").read_text()
     return dict(re.findall(r"CREATE ROLE ([a-z_]+) (LOGIN|NOLOGIN)\b", text))
 
 
@@ -527,8 +576,13 @@ def _schema_roles() -> set[str]:
 
 def test_schema_sql_creates_one_role_per_engine_worker_and_transitions_sql_the_groups() -> None:
     assert _worker_roles() == {f"custody_{w}" for w in ENGINE}
-    # the operators' group and the operator functions' owner: nobody logs in as either
-    assert _group_roles() == {"custody_operators": "NOLOGIN", "custody_definer": "NOLOGIN"}
+    # the operators' group, the operator functions' owner and the archive's owner
+    # (schema.sql): nobody logs in as any of them
+    assert _group_roles() == {
+        "custody_operators": "NOLOGIN",
+        "custody_definer": "NOLOGIN",
+        "custody_archiver": "NOLOGIN",
+    }
     for sql in ("schema.sql", "commands.sql", "transitions.sql"):
         text = (ROOT / sql).read_text()
         assert not re.search(r"CREATE ROLE\s+custody_operator\b", text), sql

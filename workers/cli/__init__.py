@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from workers import errors
-from workers.cli import inspect, maintenance, processes, provisioning, recovery
+from workers.cli import fleetops, inspect, maintenance, processes, provisioning, recovery
 from workers.cli.common import EXIT_USAGE
 from workers.core import process, routes
 from workers.settings import Settings
@@ -30,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
     processes.register(sub)
     inspect.register(sub)
     recovery.register(sub)
+    fleetops.register(sub)
     maintenance.register_retention(sub)
     inspect.register_audit(sub)
     maintenance.register(sub)

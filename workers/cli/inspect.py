@@ -9,7 +9,8 @@ import uuid
 from typing import Any
 
 from workers import provision
-from workers.cli.common import EXIT_NOT_FOUND, EXIT_OK, Subparsers, emit
+from workers.cli.common import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, Subparsers, emit
+from workers.core import process
 from workers.io import db
 from workers.settings import Settings
 
@@ -36,6 +37,46 @@ async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
     else:
         rows = await _query(settings, "quarantine_list", params)
     emit(rows, args.json)
+    return EXIT_OK
+
+
+STATS_BY = ("reason", "tenant", "source", "worker")  # a participant's: reason only
+
+
+async def cmd_quarantine_stats(settings: Settings, args: argparse.Namespace) -> int:
+    """Counts by the chosen columns, of the engine's quarantine (row-level security: an
+    operator counts only its tenants') or of a participant's refused commands."""
+    by = [c.strip() for c in args.by.split(",") if c.strip()]
+    allowed = ("reason",) if args.participant else STATS_BY
+    bad = [c for c in by if c not in allowed]
+    if not by or bad:
+        where = f"participant {args.participant}'s refused commands" if args.participant else ""
+        print(
+            f"custody: --by {args.by!r}: a comma-separated list of {', '.join(allowed)}"
+            + (f" (for {where})" if where else ""),
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.participant:
+        table, _ = process.load_config(settings)
+        owners = sorted({r.owner for r in table.by_name.values()})
+        if args.participant not in owners:
+            print(
+                f"custody: --participant {args.participant!r}: one of {', '.join(owners)}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        async with (
+            db.connected(
+                settings.participant_database_url,
+                schema=provision.participant_schema(args.participant),
+            ) as database,
+            database.transaction() as tx,
+        ):
+            rows = await tx.rows("p_refused_stats", {"by": by})
+    else:
+        rows = await _query(settings, "quarantine_stats", {"by": by})
+    emit([{c: r.get(c) for c in (*by, "n", "last_at")} for r in rows], args.json)
     return EXIT_OK
 
 
@@ -133,6 +174,13 @@ def register(sub: Subparsers) -> None:
     ql.add_argument("--limit", type=int, default=50)
     ql.add_argument("--json", action="store_true")
     ql.set_defaults(fn=cmd_quarantine)
+    qs = q.add_parser("stats", help="counts grouped by --by (reason,tenant,source,worker)")
+    qs.add_argument(
+        "--by", default="reason", help="comma-separated: reason, tenant, source, worker"
+    )
+    qs.add_argument("--participant", help="a participant's refused commands (--by reason)")
+    qs.add_argument("--json", action="store_true")
+    qs.set_defaults(fn=cmd_quarantine_stats)
 
     for noun, fn, show in (
         ("instances", cmd_instances, cmd_instance_show),

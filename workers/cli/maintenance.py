@@ -28,7 +28,9 @@ async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
             removed = await participant_retention.cleanup(database, settings.retention_s)
     else:
         async with db.connected(settings.database_url, schema="custody") as database:
-            removed = await engine_retention.cleanup(database, settings.retention_s)
+            removed = await engine_retention.cleanup(
+                database, settings.retention_s, archive_s=horizon.archive_after(settings)
+            )
     emit({"horizon_s": settings.retention_s, "removed": removed}, args.json)
     return EXIT_OK
 
@@ -94,8 +96,9 @@ def register_retention(sub: Subparsers) -> None:
         .add_subparsers(dest="r", required=True)
         .add_parser(
             "cleanup",
-            help="remove history older than CUSTODY_RETENTION_S, in batches "
-            "(refused if the horizon is too short)",
+            help="remove history older than CUSTODY_RETENTION_S and archive instances "
+            "finished before CUSTODY_ARCHIVE_AFTER_S, in batches "
+            "(refused if a horizon is too short)",
         )
     )
     rt.add_argument("--participant", help="a participant's history instead of the engine's")

@@ -10,9 +10,9 @@ import orjson
 
 from workers import errors, provision
 from workers.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subparsers, emit
-from workers.core import horizon, process
+from workers.core import horizon, names, process
 from workers.io import broker
-from workers.runtime import faults, logs, supervisor
+from workers.runtime import faults, logs, metrics, supervisor
 from workers.settings import Settings
 
 
@@ -29,6 +29,9 @@ async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
         "receipts": receipts.main,
         "reconciler": reconciler.main,
     }
+    metrics.register(
+        args.worker, dispatch_paused=settings.dispatch_paused, revision=settings.git_revision
+    )
     return await supervisor.run(
         args.worker,
         lambda stop, health: mains[args.worker](settings, stop, health),
@@ -59,8 +62,10 @@ async def run_participant(settings: Settings, name: str | None) -> int:
     me = service.Identity(
         owner=name, principal=principal, bindings=frozenset(r.binding for r in owned)
     )
+    worker = names.participant_worker(name)
+    metrics.register(worker, revision=settings.git_revision)
     return await supervisor.run(
-        f"participant-{name}",
+        worker,
         lambda stop, health: service.serve(
             me,
             samples.HANDLERS[name],
@@ -110,9 +115,7 @@ async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
 
 def register(sub: Subparsers) -> None:
     r = sub.add_parser("run", help="run one worker until SIGTERM")
-    r.add_argument(
-        "worker", choices=["committer", "publisher", "receipts", "reconciler", "participant"]
-    )
+    r.add_argument("worker", choices=[*names.ENGINE_WORKERS, names.PARTICIPANT])
     r.add_argument("--name", help="participant name (inventory, payments, shipping)")
     r.set_defaults(fn=cmd_run)
 

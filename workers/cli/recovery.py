@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from workers import provision
+from workers.cli import bulk
 from workers.cli.common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -50,18 +51,45 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
 
 
 async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    if bulk.is_batch(args, bulk.OPERATIONS) or args.operation_id is None:
+        return await bulk.run(
+            settings,
+            args,
+            kind=bulk.OPERATIONS,
+            action="reconcile",
+            command=lambda op, target: op.reconcile(None, target, args.reason),
+            single=args.operation_id,
+        )
     return await _operator_command(
         settings, args, lambda op: op.reconcile(None, args.operation_id, args.reason)
     )
 
 
 async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
+    if bulk.is_batch(args, bulk.OPERATIONS) or args.operation_id is None:
+        return await bulk.run(
+            settings,
+            args,
+            kind=bulk.OPERATIONS,
+            action="retry-safe",
+            command=lambda op, target: op.retry_safe(None, target, args.reason),
+            single=args.operation_id,
+        )
     return await _operator_command(
         settings, args, lambda op: op.retry_safe(None, args.operation_id, args.reason)
     )
 
 
 async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
+    if bulk.is_batch(args, bulk.INSTANCES) or args.instance_id is None:
+        return await bulk.run(
+            settings,
+            args,
+            kind=bulk.INSTANCES,
+            action="cancel",
+            command=lambda op, target: op.cancel_instance(None, target, args.reason),
+            single=args.instance_id,
+        )
     return await _operator_command(
         settings, args, lambda op: op.cancel_instance(None, args.instance_id, args.reason)
     )
@@ -77,6 +105,15 @@ async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
 
 async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
     paused = args.dispatch_command == "pause"
+    if bulk.is_batch(args, bulk.INSTANCES):
+        return await bulk.run(
+            settings,
+            args,
+            kind=bulk.INSTANCES,
+            action=args.dispatch_command,
+            command=lambda op, target: op.set_paused(None, paused, args.reason, target),
+            single=args.instance,
+        )
     return await _operator_command(
         settings, args, lambda op: op.set_paused(None, paused, args.reason, args.instance)
     )
@@ -130,29 +167,34 @@ def register(sub: Subparsers) -> None:
     rc = sub.add_parser(
         "reconcile",
         help="query the pinned executor of an outcome_unknown "
-        "operation (ReconcilePending); exit 0 done, 3 refused, 4 not found",
+        "operation (ReconcilePending), or of every operation a filter matches; "
+        "exit 0 done, 3 refused, 4 not found",
     )
-    rc.add_argument("operation_id")
+    rc.add_argument("operation_id", nargs="?")
     _operator_args(rc)
+    bulk.add_filters(rc, bulk.OPERATIONS)
     rc.set_defaults(fn=cmd_reconcile)
 
     rs = sub.add_parser(
         "retry-safe",
         help="a new attempt, only from retry_waiting with "
-        "effect none; exit 0 done, 3 refused, 4 not found",
+        "effect none (one operation, or every one a filter matches); exit 0 done, "
+        "3 refused, 4 not found",
     )
-    rs.add_argument("operation_id")
+    rs.add_argument("operation_id", nargs="?")
     _operator_args(rs)
+    bulk.add_filters(rs, bulk.OPERATIONS)
     rs.set_defaults(fn=cmd_retry_safe)
 
     cn = sub.add_parser(
         "cancel",
         help="cancel an instance: its unresolved operations stay "
         "cancelling until their executors answer; exit 0 done, 3 refused, "
-        "4 not found",
+        "4 not found; or every instance a filter matches",
     )
-    cn.add_argument("instance_id")
+    cn.add_argument("instance_id", nargs="?")
     _operator_args(cn)
+    bulk.add_filters(cn, bulk.INSTANCES)
     cn.set_defaults(fn=cmd_cancel)
 
     cs = sub.add_parser(
@@ -171,10 +213,12 @@ def register(sub: Subparsers) -> None:
     for verb in ("pause", "resume"):
         v = dp.add_parser(
             verb,
-            help=f"{verb} submits globally, or for one --instance (queries and cancels still flow)",
+            help=f"{verb} submits globally, for one --instance, or for every instance a "
+            "filter matches (queries and cancels still flow)",
         )
         v.add_argument("--instance")
         _operator_args(v)
+        bulk.add_filters(v, bulk.INSTANCES)
         v.set_defaults(fn=cmd_dispatch)
 
     rp = sub.add_parser("restore", help="the restore runbook (README: Restore)").add_subparsers(

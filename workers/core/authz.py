@@ -16,7 +16,7 @@ from typing import Final
 from workers.errors import ConfigError
 
 ACTIONS: Final = frozenset(
-    {"reconcile", "retry-safe", "pause", "resume", "cancel", "cancel-start", "restore"}
+    {"reconcile", "retry-safe", "pause", "resume", "cancel", "cancel-start", "restore", "replay"}
 )
 ALL_TENANTS: Final = "*"  # and the only scope that may act globally
 

@@ -1,8 +1,11 @@
-"""The retention horizon: how long receipts, inbox rows and tombstones are kept. Pure.
+"""The retention horizon: how long receipts, inbox rows and tombstones are kept, and
+the archive horizon: how long a finished instance stays in the hot tables. Pure.
 
 "Receipt retention and deduplication history must cover every permitted retry,
 replay and restore horizon." :func:`check` refuses, at start-up, a configuration
-whose horizon is shorter; the engine's and each participant's cleanup remove what is
+whose horizon is shorter, or whose archive horizon is shorter than the retention
+horizon (an instance would leave while its receipts' deduplication rows, which refer
+to it, are still kept); the engine's and each participant's cleanup remove what is
 older (``workers.engine.retention``, ``workers.participant.retention``).
 """
 
@@ -35,7 +38,20 @@ def longest_retry_window(catalog: process.Catalog) -> Window:
     return longest
 
 
+def archive_after(settings: Settings) -> float:
+    """Seconds after it finished that an instance moves to the archive
+    (``CUSTODY_ARCHIVE_AFTER_S``; 0 means the retention horizon)."""
+    return settings.archive_after_s or settings.retention_s
+
+
 def check(settings: Settings, catalog: process.Catalog) -> None:
+    if settings.archive_after_s and settings.archive_after_s < settings.retention_s:
+        raise ConfigError(
+            f"CUSTODY_ARCHIVE_AFTER_S={settings.archive_after_s:g}s is shorter than "
+            f"CUSTODY_RETENTION_S ({settings.retention_s:g}s): a finished instance would "
+            "leave the hot tables while the receipts that deduplicate its operations are "
+            "still kept"
+        )
     retry = longest_retry_window(catalog)
     needed = retry.seconds + settings.replay_horizon_s + settings.restore_horizon_s
     if settings.retention_s < needed:

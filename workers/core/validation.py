@@ -34,6 +34,10 @@ class Verdict(enum.StrEnum):
 
 
 REASONS: tuple[Reason, ...] = ALL_REASONS  # the one closed list (workers.core.reasons)
+# A query answered with nothing newer: counted beside the receipt's own verdict.
+NO_NEWS: Final = "no_news"
+# Every label a judgement gives custody_receipts_total (Judgement.labels).
+RECEIPT_LABELS: Final = (*(v.value for v in Verdict), NO_NEWS)
 
 
 @dataclass(frozen=True)
@@ -330,7 +334,7 @@ class Judgement:
 def _no_news(op: OperationView, fact: str, labels: tuple[str, ...], **kept: Any) -> Judgement:
     """A query found no authoritative outcome. That proves nothing about the effect:
     the operation goes back to outcome_unknown, and the fact is recorded."""
-    labels = (*labels, "no_news")
+    labels = (*labels, NO_NEWS)
     try:
         target = lifecycle.next_status(op.status, lifecycle.Event.QUERY_NONE)
     except lifecycle.IllegalTransition:

@@ -185,7 +185,7 @@ class Committer:
             await _write_plans(tx, plans)
             await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             faults.crash_point("before_commit")
-        metrics.TRANSITIONS.labels("start").inc(len(plans))
+        metrics.transitions("start", len(plans))
         for q in quarantine:
             metrics.quarantined(q.source, q.reason)
 
@@ -282,7 +282,7 @@ class Committer:
             await _write_plans(tx, plans)
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
             await tx.run("successor_done", {"ids": done})
-        metrics.TRANSITIONS.labels("successor").inc(len(done))
+        metrics.transitions("successor", len(done))
         return len(intents)
 
     async def _definition_missing(

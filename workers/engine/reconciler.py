@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from workers import errors
-from workers.core import lifecycle, records
+from workers.core import horizon, lifecycle, records
 from workers.engine import context, retention, transitions
 from workers.io import db
 from workers.runtime import faults, logs, metrics, probes, supervisor
@@ -126,12 +126,13 @@ class Reconciler:
             suspend = [records.InstanceChange(r["instance_id"], IE.SUSPEND) for r in rows]
             await tx.run_many(records.INSTANCE_QUERIES[IE.SUSPEND], [c.params() for c in suspend])
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
-        metrics.TRANSITIONS.labels("deadline").inc(len(rows))
+        metrics.transitions("deadline", len(rows))
         return len(rows)
 
     async def sample(self) -> None:
         """The gauges: live operations on every poll (their partial index), settled ones
-        at most every ``settled_sample_s`` (a count over the whole table)."""
+        at most every ``settled_sample_s`` (a count over the whole table); the successor
+        backlog and the dispatch state (pauses, held submits) on every poll."""
         now = time.monotonic()
         settled = (
             self._settled_at is None or now - self._settled_at >= self.settings.settled_sample_s
@@ -139,7 +140,14 @@ class Reconciler:
         async with self.db.transaction() as tx:
             rows = await tx.rows("operations_by_status" if settled else "operations_open_by_status")
             backlog = await tx.one("successor_intents_pending")
+            dispatch = await tx.one("dispatch_stats")
         metrics.SUCCESSOR_PENDING.set(backlog["n"] if backlog else 0)
+        if dispatch:
+            metrics.dispatch(
+                paused=bool(dispatch["paused"]),
+                paused_instances=int(dispatch["paused_instances"]),
+                held=int(dispatch["held"]),
+            )
         counts = {r["status"]: r["n"] for r in rows}
         if settled:
             self._settled_at = now
@@ -175,7 +183,12 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
         async def cleanup() -> None:
             while not await stop.sleep(CLEANUP_EVERY_S):
                 removed = await supervisor.redo(
-                    lambda: retention.cleanup(ctx.db, settings.retention_s, ctx.lease),
+                    lambda: retention.cleanup(
+                        ctx.db,
+                        settings.retention_s,
+                        ctx.lease,
+                        archive_s=horizon.archive_after(settings),
+                    ),
                     worker=ACTOR,
                     stop=stop,
                     on_fenced=ctx.reacquire,

@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.core import names
 from workers.io import broker, db
 from workers.settings import ROOT, Settings
 
-ENGINE_WORKERS = ("committer", "publisher", "receipts", "reconciler")
+ENGINE_WORKERS = names.ENGINE_WORKERS
 PARTICIPANTS = ("inventory", "payments", "shipping")
 
 

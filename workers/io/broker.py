@@ -131,6 +131,8 @@ class Delivery:
     undecodable: str | None = None
     # the consumer's unsettled deliveries (None: a delivery made outside consume())
     _ledger: Ledger | None = None
+    # the exchange it was published to (a dead letter names its original one)
+    exchange: str = ""
 
     def payload(self) -> bytes:
         """The body, for a handler's decoder: a delivery whose properties could not be
@@ -315,6 +317,7 @@ def _delivery(message: AbstractIncomingMessage) -> Delivery:
         routing_key=printable(message.routing_key or ""),
         _message=message,
         undecodable=problems,
+        exchange=printable(message.exchange or ""),
     )
 
 
@@ -597,6 +600,52 @@ class Broker:
         finally:
             await cleanup()
 
+    @contextlib.asynccontextmanager
+    async def browse(
+        self, queue: str, limit: int, quiet_s: float = 1.0
+    ) -> AsyncIterator[list[Delivery]]:
+        """The first ``limit`` messages of ``queue``, held unacked on a channel of their
+        own: the caller may ack some (a replay); closing the channel on exit returns the
+        others to the queue and loses none (a crash closes it too).
+
+        A quorum queue serves returned messages first, in the order they came back, so
+        holding *every* message (``limit`` at least the depth) returns them in their
+        order; a partial browse of a queue that had returns moves the browsed ones
+        behind the others. Each return counts one delivery (``x-delivery-count``):
+        browse only a queue that no ``delivery-limit`` applies to (the custody policy
+        leaves the dead letters out)."""
+        channel: AbstractChannel | None = None
+        held: list[Delivery] = []
+        try:
+            channel = await self._connection().channel()
+            await channel.set_qos(prefetch_count=max(1, limit))
+            q = await channel.declare_queue(queue, passive=True)
+            expected = min(limit, q.declaration_result.message_count or 0)
+            inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+            if expected:
+                # a plain consumer: what it took stays unacked until the channel closes
+                # (aio-pika's iterator would nack its buffer one by one on exit)
+                await q.consume(inbox.put, no_ack=False)
+            while len(held) < expected:
+                try:
+                    held.append(_delivery(await asyncio.wait_for(inbox.get(), quiet_s)))
+                except TimeoutError:
+                    break
+        except Exception as exc:
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+            if not is_transport_error(exc):
+                raise
+            raise errors.BrokerError(
+                f"browse {queue}: {type(exc).__name__}: {exc}", errors.Retry.FATAL
+            ) from exc
+        try:
+            yield held
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
     async def publisher(self, *, window: int, timeout_s: float, user_id: str | None) -> Publisher:
         return Publisher(self, window=window, timeout_s=timeout_s, user_id=user_id)
 
@@ -765,6 +814,9 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
         "custody-reconciler": ("^$", "^$", "^$"),
         # the workflow front end: start and cancel requests, nothing else
         "custody-frontend": ("^$", only(EXCHANGE_REQUESTS), "^$"),
+        # an operator's `custody dead-letters`: reads the dead letters, replays one to
+        # its original exchange (a start request, a command; never a receipt)
+        "custody-operator": ("^$", only(EXCHANGE_COMMANDS, EXCHANGE_REQUESTS), only(QUEUE_DEAD)),
     }
     # a participant publishes receipts and consumes its own command queue, nothing
     # else: its poison commands are rejected and dead-lettered by the queue's policy

@@ -42,7 +42,7 @@ from contracts.models import (
     SubmitCommand,
 )
 from workers import errors
-from workers.core import acceptance, records, tracing
+from workers.core import acceptance, names, records, tracing
 from workers.core.reasons import Reason
 from workers.errors import BusinessFailure as BusinessFailure  # under the custody root
 from workers.io import broker, db
@@ -307,7 +307,7 @@ class Participant:
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
         for r in refused:
-            metrics.quarantined(f"participant.{self.me.owner}", r.reason)
+            metrics.quarantined(metrics.participant_source(self.me.owner), r.reason)
         return [d.value for d in decisions]
 
     async def _complete_inline(
@@ -755,12 +755,14 @@ async def serve(
 ) -> None:
     """Run a participant: acceptance consumer, executor and receipt publisher.
     ``inline``: operations whose handlers run in the acceptance transaction."""
+    # the worker name of the logs and the ``worker`` metric label (the Deployment's)
+    worker = names.participant_worker(me.owner)
     database = db.Database(
-        settings.participant_database_url, schema=schema, name=me.owner, max_size=4
+        settings.participant_database_url, schema=schema, name=worker, max_size=4
     )
     amqp = broker.Broker(
         settings.amqp_url,
-        me.owner,
+        worker,
         broker.Tls(
             settings.amqp_tls_ca_file, settings.amqp_tls_cert_file, settings.amqp_tls_key_file
         ),
@@ -799,7 +801,7 @@ async def serve(
             [broker.command_queue(b) for b in sorted(me.bindings)],
             settings=settings,
             stop=stop,
-            worker=me.owner,
+            worker=worker,
             handle=part.accept,
             on_fenced=nothing,
             after_commit=kick,
@@ -808,7 +810,7 @@ async def serve(
 
     async def execute() -> None:
         while not stop.requested:
-            n = await supervisor.redo(part.execute, worker=me.owner, stop=stop, on_fenced=nothing)
+            n = await supervisor.redo(part.execute, worker=worker, stop=stop, on_fenced=nothing)
             if n:
                 pub_waker.kick()
             if n < settings.batch_size:
@@ -818,7 +820,7 @@ async def serve(
         while not await stop.sleep(CLEANUP_EVERY_S):
             removed = await supervisor.redo(
                 lambda: retention.cleanup(database, settings.retention_s),
-                worker=me.owner,
+                worker=worker,
                 stop=stop,
                 on_fenced=nothing,
             )
@@ -830,7 +832,7 @@ async def serve(
             main=[
                 commands_in(),
                 execute(),
-                outbox.loop(pub, stop, pub_waker, nothing, me.owner),
+                outbox.loop(pub, stop, pub_waker, nothing, worker),
                 cleanup(),
             ]
         )

@@ -163,6 +163,7 @@ async def dead_letter(
             "x-custody-reason": reason,
             "x-custody-worker": worker,
             "x-custody-routing-key": d.routing_key,
+            "x-custody-exchange": d.exchange,  # where `custody dead-letters replay` sends it
         }
     )
     [outcome] = await dead.publish_many(

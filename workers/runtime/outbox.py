@@ -91,7 +91,8 @@ class OutboxPublisher:
         try:
             await self.mark(rows, outcomes, epoch)
         except errors.Fenced as exc:
-            metrics.LEASE_LOSSES.labels(self.owner).inc()
+            # not a lease loss of its own: the loss is counted once, by the lease's
+            # keeper taking it back (custody_lease_losses_total{worker})
             logs.event(
                 "lease.fenced",
                 logging.WARNING,

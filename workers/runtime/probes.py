@@ -1,6 +1,7 @@
 """What a worker serves on its port: ``/metrics``, ``/healthz`` (the process is alive:
-no dependency checked) and ``/readyz`` (its connections are up, and start-up is not
-waiting for one)."""
+no dependency checked) and ``/readyz`` (its connections are up, start-up is not
+waiting for one, and it is not draining: from SIGTERM on it is 503, so that a Service
+or a load balancer in front stops counting it at once)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Health:
     def __init__(self) -> None:
         self.checks: dict[str, Callable[[], bool]] = {}
         self.waiting: dict[str, str] = {}
+        self.draining = False  # set by the supervisor as soon as a stop is requested
 
     def ready(self) -> tuple[bool, dict[str, bool]]:
         states = {}
@@ -27,16 +29,20 @@ class Health:
                 states[name] = bool(check())
             except Exception:
                 states[name] = False
-        return bool(states) and all(states.values()) and not self.waiting, states
+        ok = bool(states) and all(states.values()) and not self.waiting and not self.draining
+        return ok, states
 
     def body(self) -> dict[str, object]:
-        """The JSON of /readyz: ``ready``, each check, and ``waiting`` while start-up
-        waits (``{"ready": false, "waiting": {"broker": "127.0.0.1:5672: ..."}}``)."""
+        """The JSON of /readyz: ``ready``, each check, ``waiting`` while start-up waits
+        (``{"ready": false, "waiting": {"broker": "127.0.0.1:5672: ..."}}``) and
+        ``draining`` once a stop was requested."""
         ok, states = self.ready()
         out: dict[str, object] = {"ready": ok, **states}
         waiting = dict(self.waiting)
         if waiting:
             out["waiting"] = waiting
+        if self.draining:
+            out["draining"] = True
         return out
 
 

@@ -4,7 +4,8 @@ Signal handlers only set the stop event. On stop the worker stops claiming, drai
 what is in flight within the grace period, and exits 0. A side task that dies
 (heartbeat, consumer, metrics server) stops the whole worker with a non-zero exit.
 It serves ``/metrics``, ``/healthz`` (the process is alive: no dependency checked)
-and ``/readyz`` (its connections are up) when a port is configured.
+and ``/readyz`` (its connections are up; 503 from the moment a drain starts) when a
+port is configured.
 
 A worker waits for its broker and database at start-up (``workers.io.startup``): its
 task runs under a waiting ``Patience``, whose connection events are logged
@@ -68,6 +69,7 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     try:
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
+            health.draining = True  # /readyz 503 from the first moment of the drain
             event("worker.draining", worker=name, grace_s=grace_s)
             if not await _drain(name, task, patience, grace_s):
                 event("worker.drain_timeout", logging.ERROR, worker=name)
@@ -201,7 +203,8 @@ async def redo(
         try:
             return await unit()
         except errors.Fenced as exc:
-            metrics.LEASE_LOSSES.labels(worker).inc()
+            # a consequence of the lease loss, which on_fenced's keeper counts (once,
+            # however many units it fenced): custody_lease_losses_total
             event("lease.fenced", logging.WARNING, worker=worker, error=str(exc))
             await on_fenced()
         except (errors.DatabaseError, errors.BrokerError) as exc:

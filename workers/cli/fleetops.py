@@ -1,0 +1,140 @@
+"""``dead-letters list|show|replay`` and ``workers list``: the dead-letter queue and the
+fleet's leases, for an operator."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+from typing import Any
+
+from workers.cli.common import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    Subparsers,
+    emit,
+)
+from workers.core import deadletters as letters
+from workers.engine import deadletters
+from workers.io import broker, db
+from workers.settings import Settings
+
+
+async def _connected(settings: Settings) -> broker.Broker:
+    amqp = broker.Broker(settings.amqp_url, "custody-cli", broker.tls(settings))
+    await amqp.connect()
+    return amqp
+
+
+async def cmd_dead_letters(settings: Settings, args: argparse.Namespace) -> int:
+    """Read (list, show) or replay the dead letters, as CUSTODY_AMQP_URL's broker user
+    (``custody-operator``: it reads custody.dead-letters, writes only where a replay
+    goes) and, for a replay, CUSTODY_DATABASE_URL's operator login (authorized and
+    audited)."""
+    verb = args.dl_command
+    if verb == "list" and args.limit < 1:
+        print(f"custody: --limit {args.limit}: at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    amqp = await _connected(settings)
+    try:
+        if verb == "replay":
+            async with db.connected(settings.database_url, schema="custody") as database:
+                results = await deadletters.replay(
+                    amqp,
+                    database,
+                    args.message_id,
+                    args.reason,
+                    confirm_timeout_s=settings.confirm_timeout_s,
+                )
+            return _report(results, args.json)
+        listing = await deadletters.read(amqp)
+    finally:
+        await amqp.close()
+    if verb == "list":
+        emit([d.summary() for d in listing.letters[: args.limit]], args.json)
+        if listing.depth > args.limit and not args.json:
+            print(f"({listing.depth} dead letters; --limit shows more)", file=sys.stderr)
+        return EXIT_OK
+    found = [d for d in listing.letters if d.message_id == args.message_id]
+    if not found:
+        print(f"no dead letter with message_id {args.message_id}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    emit([_full(d) for d in found], True)
+    return EXIT_OK
+
+
+def _full(d: letters.DeadLetter) -> dict[str, Any]:
+    try:
+        body: Any = d.body.decode()
+    except UnicodeDecodeError:
+        body = {"base64": base64.b64encode(d.body).decode()}
+    return d.summary() | {
+        "replayable": d.unreplayable() is None,
+        "why_not": d.unreplayable(),
+        "headers": broker.safe_headers(d.headers),
+        "body": body,
+    }
+
+
+def _report(results: list[deadletters.Replayed], as_json: bool) -> int:
+    if as_json:
+        emit([r.row() for r in results], True)
+    else:
+        for r in results:
+            stream = sys.stdout if r.result == "done" else sys.stderr
+            print(f"{r.result}: {r.message}", file=stream)
+    if all(r.result == "done" for r in results):
+        return EXIT_OK
+    if any(r.result == "failed" for r in results):
+        return 1
+    if all(r.result == "not_found" for r in results):
+        return EXIT_NOT_FOUND
+    return EXIT_REFUSED
+
+
+async def cmd_workers(settings: Settings, args: argparse.Namespace) -> int:
+    async with (
+        db.connected(settings.database_url, schema="custody") as database,
+        database.transaction() as tx,
+    ):
+        rows = await tx.rows("workers_list")
+    emit(rows, args.json)
+    return EXIT_OK
+
+
+def register(sub: Subparsers) -> None:
+    dl = sub.add_parser(
+        "dead-letters",
+        # (not the word "replay" at the top level: no command replays an operation)
+        help="the dead-letter queue (custody.dead-letters): read it without changing it, "
+        "send one back to where it came from (broker user custody-operator)",
+    ).add_subparsers(dest="dl_command", required=True)
+    ls = dl.add_parser("list", help="oldest first: message_id, reason, origin, deliveries")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_dead_letters)
+    sh = dl.add_parser("show", help="one dead letter in full: headers, x-death, body (JSON)")
+    sh.add_argument("message_id")
+    sh.set_defaults(fn=cmd_dead_letters)
+    rp = dl.add_parser(
+        "replay",
+        help="publish to its original exchange and routing key (same message_id, body and "
+        "headers), then remove it from the queue; authorized (action replay) and audited; "
+        "exit 0 done, 3 refused, 4 not found, 1 not confirmed",
+    )
+    rp.add_argument("message_id", nargs="+")
+    rp.add_argument("--reason", required=True, help="why (audited)")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(fn=cmd_dead_letters)
+
+    wk = (
+        sub.add_parser("workers", help="the engine fleet, from its leases")
+        .add_subparsers(dest="w", required=True)
+        .add_parser(
+            "list", help="holder, worker type, epoch, acquired, last heartbeat, expires, live"
+        )
+    )
+    wk.add_argument("--json", action="store_true")
+    wk.set_defaults(fn=cmd_workers)
