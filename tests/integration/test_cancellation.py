@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from contracts import codec
 from contracts.models import CancelRequest
@@ -28,13 +26,6 @@ from tests.integration.test_recovery import custody, purge, status_of, until_sta
 from workers.io import broker
 from workers.participant import service
 from workers.runtime import probes, supervisor
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def instance_of(env: Env, start_id: str) -> str:

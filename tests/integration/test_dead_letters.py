@@ -7,7 +7,6 @@ queue. The CLI connects as the ``custody-operator`` broker user."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from urllib.parse import quote
 
@@ -19,21 +18,6 @@ from tests.integration.test_recovery import custody
 from workers.core import deadletters as letters
 from workers.io import broker
 from workers.runtime import faults
-
-
-@pytest.fixture
-def poison_marker() -> Iterator[str]:
-    marker = "POISON-dlq-5e1"
-    faults.set_poison_marker(marker)
-    yield marker
-    faults.set_poison_marker("")
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 def as_operator(env: Env) -> Env:

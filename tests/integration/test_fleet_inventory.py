@@ -5,7 +5,7 @@ in-process fleet."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 
 import psycopg
@@ -16,13 +16,6 @@ from tests.harness import ENGINE, InProcessFleet, client, order, publish_starts
 from tests.integration.test_recovery import custody
 from workers.io import broker, db
 from workers.settings import ROOT
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def test_workers_list_shows_every_lease_holder_with_its_last_heartbeat(

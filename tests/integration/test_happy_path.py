@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, order, publish_starts
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def _finished(env: Env, n: int) -> bool:

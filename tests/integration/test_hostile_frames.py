@@ -334,14 +334,6 @@ async def test_broker_permissions_are_what_each_worker_does(env: Env) -> None:
         await amqp.close()
 
 
-@pytest.fixture
-def poison_marker() -> Iterator[str]:
-    marker = "POISON-frames-9c1"
-    faults.set_poison_marker(marker)
-    yield marker
-    faults.set_poison_marker("")
-
-
 async def test_a_participants_poison_command_is_dead_lettered_by_the_queue_policy(
     env: Env, fleet: InProcessFleet, poison_marker: str
 ) -> None:

@@ -3,29 +3,9 @@ never blocking the queue behind them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
-
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, client, drain, order, publish_starts
 from workers.io import broker
-from workers.runtime import faults
-
-
-@pytest.fixture
-def poison_marker() -> Iterator[str]:
-    marker = "POISON-7f3a"
-    faults.set_poison_marker(marker)
-    yield marker
-    faults.set_poison_marker("")
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def test_a_message_that_fails_its_consumer_is_dead_lettered_with_its_reason(

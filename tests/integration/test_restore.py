@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -21,13 +20,6 @@ from psycopg import sql
 from tests.conftest import PG_ADMIN, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_starts
 from tests.integration.test_recovery import custody
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def completed(env: Env) -> int:

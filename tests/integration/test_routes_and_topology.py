@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 from prometheus_client import REGISTRY
 
 from tests.conftest import MGMT, Env, wait_until
@@ -14,13 +12,6 @@ from tests.harness import InProcessFleet, order, publish_starts
 from workers import provision
 from workers.io import broker
 from workers.settings import ROOT
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 async def test_a_changed_routes_file_does_not_redirect_an_instance_that_pinned_its_binding(

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,6 @@ from workers.runtime import probes, supervisor
 from workers.settings import ROOT
 
 # --- helpers ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    f = InProcessFleet(env)
-    yield f
-    await f.stop_all()
 
 
 def use_processes(env: Env, tmp_path: Path, **kw: Any) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from workers import provision
 from workers.cli import bulk
@@ -21,6 +22,9 @@ from workers.cli.common import (
 from workers.core import process
 from workers.io import db
 from workers.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.engine import transitions
 
 
 async def _operator_command(settings: Settings, args: argparse.Namespace, call: Any) -> int:
@@ -50,48 +54,55 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
     return codes[outcome.result]
 
 
-async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
-    if bulk.is_batch(args, bulk.OPERATIONS) or args.operation_id is None:
+async def _one_or_batch(
+    settings: Settings,
+    args: argparse.Namespace,
+    *,
+    kind: str,
+    action: str,
+    target: str | None,
+    command: Callable[[transitions.Operator, str | None], Awaitable[transitions.Outcome]],
+    batch_without_target: bool = True,
+) -> int:
+    """The command on one target, or (with a filter, or without a target where the
+    command has no meaning without one) on every target the filter matches."""
+    if bulk.is_batch(args, kind) or (batch_without_target and target is None):
         return await bulk.run(
-            settings,
-            args,
-            kind=bulk.OPERATIONS,
-            action="reconcile",
-            command=lambda op, target: op.reconcile(None, target, args.reason),
-            single=args.operation_id,
+            settings, args, kind=kind, action=action, command=command, single=target
         )
-    return await _operator_command(
-        settings, args, lambda op: op.reconcile(None, args.operation_id, args.reason)
+    return await _operator_command(settings, args, lambda op: command(op, target))
+
+
+async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    return await _one_or_batch(
+        settings,
+        args,
+        kind=bulk.OPERATIONS,
+        action="reconcile",
+        target=args.operation_id,
+        command=lambda op, target: op.reconcile(None, _given(target), args.reason),
     )
 
 
 async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
-    if bulk.is_batch(args, bulk.OPERATIONS) or args.operation_id is None:
-        return await bulk.run(
-            settings,
-            args,
-            kind=bulk.OPERATIONS,
-            action="retry-safe",
-            command=lambda op, target: op.retry_safe(None, target, args.reason),
-            single=args.operation_id,
-        )
-    return await _operator_command(
-        settings, args, lambda op: op.retry_safe(None, args.operation_id, args.reason)
+    return await _one_or_batch(
+        settings,
+        args,
+        kind=bulk.OPERATIONS,
+        action="retry-safe",
+        target=args.operation_id,
+        command=lambda op, target: op.retry_safe(None, _given(target), args.reason),
     )
 
 
 async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
-    if bulk.is_batch(args, bulk.INSTANCES) or args.instance_id is None:
-        return await bulk.run(
-            settings,
-            args,
-            kind=bulk.INSTANCES,
-            action="cancel",
-            command=lambda op, target: op.cancel_instance(None, target, args.reason),
-            single=args.instance_id,
-        )
-    return await _operator_command(
-        settings, args, lambda op: op.cancel_instance(None, args.instance_id, args.reason)
+    return await _one_or_batch(
+        settings,
+        args,
+        kind=bulk.INSTANCES,
+        action="cancel",
+        target=args.instance_id,
+        command=lambda op, target: op.cancel_instance(None, _given(target), args.reason),
     )
 
 
@@ -104,23 +115,27 @@ async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
+    """``dispatch pause|resume``: globally without a target, for one ``--instance``, or
+    for every instance a filter matches."""
     paused = args.dispatch_command == "pause"
-    if bulk.is_batch(args, bulk.INSTANCES):
-        return await bulk.run(
-            settings,
-            args,
-            kind=bulk.INSTANCES,
-            action=args.dispatch_command,
-            command=lambda op, target: op.set_paused(None, paused, args.reason, target),
-            single=args.instance,
-        )
-    return await _operator_command(
-        settings, args, lambda op: op.set_paused(None, paused, args.reason, args.instance)
+    return await _one_or_batch(
+        settings,
+        args,
+        kind=bulk.INSTANCES,
+        action=args.dispatch_command,
+        target=args.instance,
+        command=lambda op, target: op.set_paused(None, paused, args.reason, target),
+        batch_without_target=False,
     )
 
 
+def _given(target: str | None) -> str:
+    assert target is not None  # a batch passes each target it selected
+    return target
+
+
 async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
-    from workers.engine import restore, transitions
+    from workers.engine import restore
 
     step = args.restore_command
     if step == "report":
