@@ -319,3 +319,31 @@ async def assert_durable_happy_end(env: Env, n: int) -> None:
     await assert_engine_applied_once(env, n)
     await assert_participants_deduplicated(env, n)
     await assert_effects_once(env, n)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (``T``: stopped, at its stop point)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def freeze_past_lease(env: Env, proc: Proc, what: str) -> str:
+    """Wait until ``proc`` stopped itself at its stop point (state T), then until its
+    lease row has expired; returns the LIKE pattern of its lease holder."""
+
+    async def frozen() -> bool:
+        return process_state(proc.popen.pid) == "T"
+
+    await wait_until(frozen, timeout=30, what=f"the {what} to freeze inside its transaction")
+    holder = f"%-{proc.popen.pid}-%"
+
+    async def expired() -> bool:
+        return (
+            await env.scalar(
+                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
+                (holder,),
+            )
+            is True
+        )
+
+    await wait_until(expired, timeout=30, what=f"the frozen {what}'s lease to expire")
+    return holder

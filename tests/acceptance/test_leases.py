@@ -17,7 +17,14 @@ from typing import Any
 import aio_pika
 import pytest
 
-from tests.acceptance.support import Crew, all_finished, assert_durable_happy_end, count
+from tests.acceptance.support import (
+    Crew,
+    all_finished,
+    assert_durable_happy_end,
+    count,
+    freeze_past_lease,
+    process_state,
+)
 from tests.conftest import Env, wait_until
 from tests.fixtures import processes
 from tests.harness import order, publish_starts
@@ -28,10 +35,6 @@ pytestmark = pytest.mark.acceptance
 
 
 STOP_ENV = "CUSTODY_STOP_POINTS"
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.timeout(120)
@@ -46,7 +49,7 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
     n = 10
     await publish_starts(env.settings, [order(i) for i in range(n)])
 
-    holder = await _freeze_past_lease(env, zombie, "publisher")
+    holder = await freeze_past_lease(env, zombie, "publisher")
     crew.start("publisher")  # the replica
     await crew.wait(all_finished(env, n), timeout=60, what="the replica to finish the work")
 
@@ -86,29 +89,6 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
 
 
 # -- the fence is the epoch a unit began under (not the one in force at its commit) --
-
-
-async def _freeze_past_lease(env: Env, proc: Proc, what: str) -> str:
-    """Wait until ``proc`` stopped itself at its stop point (state T), then until its
-    lease row has expired; returns the LIKE pattern of its lease holder."""
-
-    async def frozen() -> bool:
-        return _state(proc.popen.pid) == "T"
-
-    await wait_until(frozen, timeout=30, what=f"the {what} to freeze inside its transaction")
-    holder = f"%-{proc.popen.pid}-%"
-
-    async def expired() -> bool:
-        return (
-            await env.scalar(
-                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
-                (holder,),
-            )
-            is True
-        )
-
-    await wait_until(expired, timeout=30, what=f"the frozen {what}'s lease to expire")
-    return holder
 
 
 async def _queue(env: Env, name: str) -> tuple[int, int]:
@@ -186,7 +166,7 @@ async def test_a_committer_unit_begun_under_a_lost_epoch_cannot_commit_after_the
     zombie = crew.fleet.start("committer", extra_env={STOP_ENV: "successor_claimed"})
     first, n = 3, 9
     await publish_starts(env.settings, [order(i) for i in range(first)])
-    holder = await _freeze_past_lease(env, zombie, "committer")
+    holder = await freeze_past_lease(env, zombie, "committer")
 
     pending = set(
         await env.sql(
@@ -213,7 +193,7 @@ async def test_a_committer_unit_begun_under_a_lost_epoch_cannot_commit_after_the
     await crew.wait(
         all_finished(env, 1), timeout=60, what="the replica to complete work of its own"
     )
-    assert _state(zombie.popen.pid) == "T", "the zombie is still frozen"
+    assert process_state(zombie.popen.pid) == "T", "the zombie is still frozen"
     still = await env.sql(
         "SELECT id FROM custody.successor_intents WHERE status = 'pending' AND id = ANY(%s)",
         ([i for i, _ in held],),
@@ -252,7 +232,7 @@ async def test_a_receipt_unit_begun_under_a_lost_epoch_cannot_commit_after_the_l
     zombie = crew.fleet.start("receipts", extra_env={STOP_ENV: "receipts_locked"})
     n = 5
     await publish_starts(env.settings, [order(i) for i in range(n)])
-    holder = await _freeze_past_lease(env, zombie, "receipt consumer")
+    holder = await freeze_past_lease(env, zombie, "receipt consumer")
 
     async def effects_issued() -> bool:
         made = await count(
@@ -274,7 +254,7 @@ async def test_a_receipt_unit_begun_under_a_lost_epoch_cannot_commit_after_the_l
     await wait_until(
         held_by_zombie, timeout=30, what="the replica to consume, with nothing ready for it"
     )
-    assert _state(zombie.popen.pid) == "T", "the zombie is still frozen"
+    assert process_state(zombie.popen.pid) == "T", "the zombie is still frozen"
     applied = await count(env, "SELECT count(*) FROM custody.receipt_inbox")
     assert applied == 0, "no receipt was applied while the zombie held them all"
     succeeded = await count(
@@ -307,7 +287,7 @@ async def test_a_reconciler_unit_begun_under_a_lost_epoch_cannot_commit_after_th
     zombie = crew.fleet.start("reconciler", extra_env={**short, STOP_ENV: "deadlines_claimed"})
     n = 5
     await publish_starts(env.settings, [order(i) for i in range(n)])  # nobody answers
-    holder = await _freeze_past_lease(env, zombie, "reconciler")
+    holder = await freeze_past_lease(env, zombie, "reconciler")
     os.kill(zombie.popen.pid, signal.SIGCONT)
     await _assert_stale_commit_refused(env, zombie, holder)
 

@@ -18,7 +18,6 @@ import os
 import platform
 import signal
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -37,8 +36,8 @@ from tests.acceptance.observability import (
     status_of,
     wait_ready,
 )
-from tests.acceptance.support import Crew, all_finished, state
-from tests.conftest import Env, wait_until
+from tests.acceptance.support import Crew, all_finished, freeze_past_lease, state
+from tests.conftest import Env
 from tests.harness import order, publish_raw, publish_starts
 from workers.core import names
 from workers.harness.fleet import ENGINE_WORKERS
@@ -245,10 +244,6 @@ async def test_a_deliberate_dispatch_pause_is_counted_as_held_never_as_a_stuck_o
     await crew.wait(sent, timeout=30, what="the resumed submit sent and nothing held")
 
 
-def _proc_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.timeout(120)
 async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_worker(
     env: Env, crew: Crew
@@ -262,22 +257,7 @@ async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_wor
     await wait_ready(crew, [zombie])
     await publish_starts(env.settings, [order(0)])
 
-    async def frozen() -> bool:
-        return _proc_state(zombie.proc.popen.pid) == "T"
-
-    await crew.wait(frozen, timeout=30, what="the publisher to freeze before its mark")
-    holder = f"%-{zombie.proc.popen.pid}-%"
-
-    async def expired() -> bool:
-        return (
-            await env.scalar(
-                "SELECT bool_and(expires_at < now()) FROM custody.leases WHERE holder LIKE %s",
-                (holder,),
-            )
-            is True
-        )
-
-    await wait_until(expired, timeout=30, what="the frozen publisher's lease to expire")
+    holder = await freeze_past_lease(env, zombie.proc, "publisher")
     os.kill(zombie.proc.popen.pid, signal.SIGCONT)
 
     async def fenced_and_retaken() -> bool:
