@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+
 from participants import samples
 from workers.engine import committer, publisher, receipts, reconciler
 from workers.harness import fleet
@@ -184,3 +186,40 @@ async def drain(settings: Settings, queue: str, *, timeout: float = 2.0) -> list
                 return out
             out.append(d)
             await d.ack()
+
+
+def seed_unknown_operation(
+    conn: psycopg.Connection[Any], tenant: str, *, route: str = "inventory", age_h: float = 0
+) -> tuple[str, str]:
+    """A suspended instance of ``tenant`` with one outcome_unknown operation on ``route``
+    (its digest the one its attempt binds) and its active node, created or last changed
+    ``age_h`` hours ago, written as the superuser: (instance id, operation id)."""
+    iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
+    conn.execute(
+        "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
+        " process_version, input, status, requested_by, routes, created_at)"
+        " VALUES (%s, %s, gen_random_uuid(), 'order-fulfilment', 1, '{}', 'suspended',"
+        " 'test', '{}', now() - make_interval(hours => %s))",
+        (iid, tenant, age_h),
+    )
+    conn.execute(
+        "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+        " operation, route, owner, principal, binding, input, lineage, attempt,"
+        " digest, status, deadline_seconds, updated_at) VALUES (%s, %s, %s, 'reserve',"
+        " 1, 'inventory.reserve', %s, 'inventory', 'custody-inventory',"
+        " 'inventory.v1', '{}', jsonb_build_object('instance_id', %s::text,"
+        " 'process', 'order-fulfilment', 'process_version', 1, 'node', 'reserve',"
+        " 'activation', 1), 1, 'x', 'outcome_unknown', 60,"
+        " now() - make_interval(hours => %s))",
+        (oid, tenant, iid, route, iid, age_h),
+    )
+    conn.execute(
+        "UPDATE custody.operations SET digest = custody.attempt_digest(id, 1) WHERE id = %s",
+        (oid,),
+    )
+    conn.execute(
+        "INSERT INTO custody.node_states (instance_id, node, activation, operation_id,"
+        " status) VALUES (%s, 'reserve', 1, %s, 'active')",
+        (iid, oid),
+    )
+    return iid, oid

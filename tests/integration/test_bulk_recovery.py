@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from tests.conftest import Env
+from tests.harness import seed_unknown_operation
 from tests.integration.test_recovery import custody
 
 
@@ -22,40 +23,8 @@ def _seed(
 ) -> list[str]:
     """``n`` suspended instances of ``tenant``, each with one outcome_unknown operation on
     ``route`` last changed ``age_h`` hours ago; their operation ids."""
-    ids = []
     with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
-        for _ in range(n):
-            iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
-            conn.execute(
-                "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
-                " process_version, input, status, requested_by, routes, created_at)"
-                " VALUES (%s, %s, gen_random_uuid(), 'order-fulfilment', 1, '{}', 'suspended',"
-                " 'test', '{}', now() - make_interval(hours => %s))",
-                (iid, tenant, age_h),
-            )
-            conn.execute(
-                "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
-                " operation, route, owner, principal, binding, input, lineage, attempt,"
-                " digest, status, deadline_seconds, updated_at) VALUES (%s, %s, %s, 'reserve',"
-                " 1, 'inventory.reserve', %s, 'inventory', 'custody-inventory',"
-                " 'inventory.v1', '{}', jsonb_build_object('instance_id', %s::text,"
-                " 'process', 'order-fulfilment', 'process_version', 1, 'node', 'reserve',"
-                " 'activation', 1), 1, 'x', 'outcome_unknown', 60,"
-                " now() - make_interval(hours => %s))",
-                (oid, tenant, iid, route, iid, age_h),
-            )
-            conn.execute(
-                "UPDATE custody.operations SET digest = custody.attempt_digest(id, 1)"
-                " WHERE id = %s",
-                (oid,),
-            )
-            conn.execute(
-                "INSERT INTO custody.node_states (instance_id, node, activation, operation_id,"
-                " status) VALUES (%s, 'reserve', 1, %s, 'active')",
-                (iid, oid),
-            )
-            ids.append(oid)
-    return ids
+        return [seed_unknown_operation(conn, tenant, route=route, age_h=age_h)[1] for _ in range(n)]
 
 
 async def _statuses(env: Env) -> dict[str, str]:

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from tests.conftest import Env, world
+from tests.harness import seed_unknown_operation
 from tests.integration.test_recovery import custody
 from workers.io import db
 
@@ -77,36 +78,9 @@ def _seed(env: Env) -> dict[str, str]:
     ids: dict[str, str] = {}
     with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
         for tenant in ("acme", "globex"):
-            iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
+            iid, oid = seed_unknown_operation(conn, tenant)
             ids[tenant] = oid
             ids[f"{tenant}-instance"] = iid
-            conn.execute(
-                "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
-                " process_version, input, status, requested_by, routes)"
-                " VALUES (%s, %s, gen_random_uuid(), 'order-fulfilment', 1, '{}', 'suspended',"
-                " 'test', '{}')",
-                (iid, tenant),
-            )
-            conn.execute(
-                "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
-                " operation, route, owner, principal, binding, input, lineage, attempt,"
-                " digest, status, deadline_seconds) VALUES (%s, %s, %s, 'reserve', 1,"
-                " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
-                " 'inventory.v1', '{}', jsonb_build_object('instance_id', %s::text,"
-                " 'process', 'order-fulfilment', 'process_version', 1, 'node', 'reserve',"
-                " 'activation', 1), 1, 'x', 'outcome_unknown', 60)",
-                (oid, tenant, iid, iid),
-            )
-            conn.execute(
-                "UPDATE custody.operations SET digest = custody.attempt_digest(id, 1)"
-                " WHERE id = %s",
-                (oid,),
-            )
-            conn.execute(
-                "INSERT INTO custody.node_states (instance_id, node, activation, operation_id,"
-                " status) VALUES (%s, 'reserve', 1, %s, 'active')",
-                (iid, oid),
-            )
             conn.execute(
                 "INSERT INTO custody.history (instance_id, operation_id, event, actor)"
                 " VALUES (%s, %s, 'operation.outcome_unknown', 'custody-reconciler')",

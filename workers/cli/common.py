@@ -27,3 +27,10 @@ def emit(data: Any, as_json: bool) -> None:
             sys.stdout.write("  ".join(f"{k}={v}" for k, v in row.items()) + "\n")
     else:
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def audited_args(p: argparse.ArgumentParser) -> None:
+    """What every audited operator command takes: why (the audit row's reason), and
+    whether to print JSON."""
+    p.add_argument("--reason", required=True, help="why (audited)")
+    p.add_argument("--json", action="store_true")

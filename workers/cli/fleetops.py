@@ -14,6 +14,7 @@ from workers.cli.common import (
     EXIT_REFUSED,
     EXIT_USAGE,
     Subparsers,
+    audited_args,
     emit,
 )
 from workers.core import deadletters as letters
@@ -125,8 +126,7 @@ def register(sub: Subparsers) -> None:
         "exit 0 done, 3 refused, 4 not found, 1 not confirmed",
     )
     rp.add_argument("message_id", nargs="+")
-    rp.add_argument("--reason", required=True, help="why (audited)")
-    rp.add_argument("--json", action="store_true")
+    audited_args(rp)
     rp.set_defaults(fn=cmd_dead_letters)
 
     wk = (

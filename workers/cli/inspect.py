@@ -23,17 +23,23 @@ async def _query(settings: Settings, name: str, params: dict[str, Any]) -> list[
         return await tx.rows(name, params)
 
 
+async def _participant_query(
+    settings: Settings, participant: str, name: str, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """A named query on a participant's journal, in one transaction."""
+    async with (
+        db.connected(
+            settings.participant_database_url, schema=provision.participant_schema(participant)
+        ) as database,
+        database.transaction() as tx,
+    ):
+        return await tx.rows(name, params)
+
+
 async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
     params = {"reason": args.reason, "limit": args.limit}
     if args.participant:
-        async with (
-            db.connected(
-                settings.participant_database_url,
-                schema=provision.participant_schema(args.participant),
-            ) as database,
-            database.transaction() as tx,
-        ):
-            rows = await tx.rows("p_refused_list", params)
+        rows = await _participant_query(settings, args.participant, "p_refused_list", params)
     else:
         rows = await _query(settings, "quarantine_list", params)
     emit(rows, args.json)
@@ -66,14 +72,7 @@ async def cmd_quarantine_stats(settings: Settings, args: argparse.Namespace) -> 
                 file=sys.stderr,
             )
             return EXIT_USAGE
-        async with (
-            db.connected(
-                settings.participant_database_url,
-                schema=provision.participant_schema(args.participant),
-            ) as database,
-            database.transaction() as tx,
-        ):
-            rows = await tx.rows("p_refused_stats", {"by": by})
+        rows = await _participant_query(settings, args.participant, "p_refused_stats", {"by": by})
     else:
         rows = await _query(settings, "quarantine_stats", {"by": by})
     emit([{c: r.get(c) for c in (*by, "n", "last_at")} for r in rows], args.json)

@@ -17,6 +17,7 @@ from workers.cli.common import (
     EXIT_REFUSED,
     EXIT_USAGE,
     Subparsers,
+    audited_args,
     emit,
 )
 from workers.core import process
@@ -172,10 +173,9 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _operator_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reason", required=True, help="why (audited)")
+    audited_args(p)
     # gone: the actor is the database login; kept only to say so
     p.add_argument("--as", dest="actor", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true")
 
 
 def register(sub: Subparsers) -> None:
