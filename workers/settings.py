@@ -7,6 +7,7 @@ URL is left empty. Secrets never appear in :meth:`Settings.redacted`.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,6 +18,28 @@ from typing import Any
 from workers.errors import ConfigError
 
 PREFIX = "CUSTODY_"
+# Variables of the prefix that are not settings but are read elsewhere: the fault
+# points and broken builds of the tests and chaos runs (workers.runtime.faults), the
+# variable whose use is refused with an explanation (the CLI's controlled commands),
+# the chaos self-test switch and the scripts' own; ``CUSTODY_TEST_*`` are the tests'.
+OTHER_VARIABLES = frozenset(
+    PREFIX + name
+    for name in (
+        "CRASH_POINTS",
+        "STOP_POINTS",
+        "BROKEN",
+        "FAULT_POISON_MARKER",
+        "OPERATOR",
+        "CHAOS_SELFTEST",
+        "TOOLS_VENV",
+        "PY",
+        "PGHOST",
+        "PGPORT",
+        "AMQP_PORT",
+        "MGMT_PORT",
+    )
+)
+OTHER_PREFIXES = (PREFIX + "TEST_",)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -99,6 +122,22 @@ class Settings:
                 return value if found else f.default
         raise KeyError(name)
 
+    @classmethod
+    def unknown_variables(cls, env: Mapping[str, str] | None = None) -> list[str]:
+        """One warning per ``CUSTODY_*`` variable that no setting reads (a misspelling
+        is otherwise silently ignored), naming the likely intended one if there is."""
+        env = os.environ if env is None else env
+        settings = [PREFIX + f.name.upper() for f in fields(cls)]
+        known = {*settings, *(s + "_FILE" for s in settings), *OTHER_VARIABLES}
+        warnings = []
+        for name in sorted(env):
+            if not name.startswith(PREFIX) or name in known or name.startswith(OTHER_PREFIXES):
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"{name} is not a custody setting and is ignored{hint}")
+        return warnings
+
     def check(self) -> None:
         for name in ("batch_size", "prefetch", "confirm_window", "max_message_bytes"):
             if getattr(self, name) < 1:
@@ -148,6 +187,20 @@ def _bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
+_CONNINFO_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S*)", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
 def _redact(value: str) -> str:
-    value = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", value)
-    return re.sub(r"(password=)[^&\s]*", r"\1***", value, flags=re.IGNORECASE)
+    """A URL or libpq conninfo with its password masked, however the password is
+    spelled: percent-encoded or not, with ``@``, ``:`` or ``/`` in it. A URL's userinfo
+    ends at its last ``@`` before the query (a host, a port, a path and a vhost are
+    never the secret), so an unencoded ``@`` or ``/`` in the password stays masked."""
+    scheme, sep, rest = value.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        at = rest.split("?", 1)[0].rfind("@")
+        if at != -1:
+            user, colon, _ = rest[:at].partition(":")
+            rest = f"{user}{colon}{'***' if colon else ''}{rest[at:]}"
+        return scheme + "://" + _QUERY_PASSWORD.sub(r"\1***", rest)
+    return _CONNINFO_PASSWORD.sub(r"\1***", value)

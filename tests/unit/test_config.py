@@ -180,6 +180,65 @@ def test_redacted_hides_a_libpq_password_parameter(url: str) -> None:
     assert "q-s3cret" not in repr(shown)
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://oncall:p@ss@db:5432/custody", "postgresql://oncall:***@db:5432/custody"),
+        ("postgresql://oncall:a:b:c@db/custody", "postgresql://oncall:***@db/custody"),
+        ("postgresql://oncall:pa/ss@db/custody", "postgresql://oncall:***@db/custody"),
+        ("postgresql://oncall:p@s/s:w@db/custody", "postgresql://oncall:***@db/custody"),
+        ("postgresql://oncall:p%40ss@db/custody", "postgresql://oncall:***@db/custody"),
+        (
+            "amqp://cli:p@w/d@rabbit-0,rabbit-1:5673/%2F",
+            "amqp://cli:***@rabbit-0,rabbit-1:5673/%2F",
+        ),
+        ("http://admin:p@ss@rabbit:15672", "http://admin:***@rabbit:15672"),
+        ("postgresql://oncall:@db/custody", "postgresql://oncall:***@db/custody"),
+        (
+            "postgresql://db/custody?password=p@s&sslmode=require",
+            "postgresql://db/custody?password=***&sslmode=require",
+        ),
+        ("host=db password='p@ss w/rd' user=oncall", "host=db password=*** user=oncall"),
+    ],
+    ids=[
+        "at",
+        "colons",
+        "slash",
+        "at-slash-colon",
+        "percent-encoded",
+        "amqp-host-list",
+        "management",
+        "empty",
+        "query-with-at",
+        "quoted-keyword",
+    ],
+)
+def test_redacted_masks_a_password_with_at_colon_or_slash_whole(url: str, shown: str) -> None:
+    """An unencoded ``@``, ``:`` or ``/`` in a password half-leaked before: the userinfo
+    ends at the last ``@`` before the query, however the password is spelled."""
+    settings = Settings.from_env({"CUSTODY_DATABASE_URL": url, "CUSTODY_AMQP_MANAGEMENT_URL": url})
+    assert settings.redacted()["database_url"] == shown
+    assert settings.redacted()["amqp_management_url"] == shown
+
+
+def test_an_unknown_custody_variable_is_named_with_the_likely_intended_one() -> None:
+    env = {
+        "CUSTODY_DATABSE_URL": "x",  # a typo
+        "CUSTODY_COLOUR": "blue",  # nothing close
+        "CUSTODY_DATABASE_URL": "postgresql://db/custody",
+        "CUSTODY_AMQP_URL_FILE": "/run/secrets/amqp",
+        "CUSTODY_CRASH_POINTS": "",  # read by workers.runtime.faults
+        "CUSTODY_TEST_PG": "postgresql://db/postgres",  # the tests' own
+        "PGHOST": "db",
+    }
+    assert Settings.unknown_variables(env) == [
+        "CUSTODY_COLOUR is not a custody setting and is ignored",
+        "CUSTODY_DATABSE_URL is not a custody setting and is ignored; "
+        "did you mean CUSTODY_DATABASE_URL?",
+    ]
+    assert Settings.unknown_variables({}) == []
+
+
 def test_the_sql_directory_is_a_setting(tmp_path: Path) -> None:
     """CUSTODY_SQL_DIR (the image sets /app) is read by Settings like every other one;
     Settings.read gives one setting alone, for a module that needs only it."""
