@@ -52,3 +52,12 @@ def answer_id(query_request: str, owner_revision: int) -> str:
 def conflict_receipt_id(request: str, received_digest: str) -> str:
     """The answer to a command that reused ``request`` with another digest."""
     return _derive("conflict", request, received_digest)
+
+
+def start_request_ids(first: str, count: int) -> list[str]:
+    """The start request ids of ``custody instances start --start-request-id FIRST
+    --count N``: ``first`` itself, then one derived from it per further instance, so
+    the same command retried (after a confirm timeout) names the same starts and the
+    engine, which deduplicates starts by ``(tenant, start_request_id)``, creates none
+    twice."""
+    return [first, *(_derive("start", first, i) for i in range(1, count))]

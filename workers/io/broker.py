@@ -54,6 +54,9 @@ from workers.settings import Settings
 amqp_frames.install()
 amqp_writes.install()
 
+# What a caller above this layer may catch as a last resort (the CLI's top level),
+# without importing the client library.
+DRIVER_ERRORS: Final[tuple[type[Exception], ...]] = (aiormq.exceptions.AMQPError,)
 EXCHANGE_COMMANDS: Final = commands.EXCHANGE_COMMANDS
 EXCHANGE_RECEIPTS: Final = "custody.receipts"
 EXCHANGE_REQUESTS: Final = "custody.requests"

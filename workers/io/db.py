@@ -38,6 +38,9 @@ from workers.io import sql as sql_files
 from workers.io import startup
 
 Row = dict[str, Any]
+# What a caller above this layer may catch as a last resort (the CLI's top level: one
+# line, never a traceback) without importing the driver; everything here translates.
+DRIVER_ERRORS: Final[tuple[type[Exception], ...]] = (psycopg.Error,)
 Params = Mapping[str, Any] | Sequence[Any] | None
 
 
