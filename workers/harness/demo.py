@@ -5,15 +5,19 @@ own RabbitMQ vhost (``custody-demo``), resets them, starts every worker type and
 three participants as real processes, starts a few hundred order-fulfilment
 instances (some declined, some out of stock, to show both branches), shows
 progress, checks every effect against the participants' own tables, and shuts the
-fleet down with SIGTERM.
+fleet down with SIGTERM. With ``keep`` (``custody demo run --keep``) the fleet stays up,
+each worker's metrics port printed, until Ctrl-C (or SIGTERM), then drains the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import signal
 import sys
 import time
+import urllib.parse
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -51,7 +55,7 @@ def orders(n: int, seed: int = 7) -> list[dict[str, Any]]:
     return out
 
 
-async def run(settings: Settings, *, instances: int, replicas: int) -> int:
+async def run(settings: Settings, *, instances: int, replicas: int, keep: bool = False) -> int:
     started = time.monotonic()
     engine_url = env.with_db(settings.database_url, "custody_demo")
     part_url = env.with_db(settings.participant_database_url, "custody_demo_participants")
@@ -92,7 +96,7 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
     logs = ROOT / ".demo" / "logs"
     for old in logs.glob("*.log") if logs.exists() else []:
         old.unlink()
-    crew = fleet.Fleet(env=worker_env, log_dir=logs)
+    crew = fleet.Fleet(env=worker_env, log_dir=logs, metrics=keep, own_session=keep)
     crew.start_all(
         replicas=replicas, participant_env={n: {"CUSTODY_AMQP_URL": u} for n, u in table.items()}
     )
@@ -147,6 +151,9 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
         if dead:
             print(f"  a worker died: {dead}; see {logs}")
         code = _summary(counts, instances, elapsed, dead)
+        if keep and not dead:
+            _print_endpoints(crew, settings)
+            await _until_stopped(crew)
     finally:
         codes = crew.stop(grace_s=30)
         clean = all(c == 0 for c in codes.values())
@@ -158,6 +165,38 @@ async def run(settings: Settings, *, instances: int, replicas: int) -> int:
             code = 1
     print(f"  total time {time.monotonic() - started:.1f}s")
     return code
+
+
+def _print_endpoints(crew: fleet.Fleet, settings: Settings) -> None:
+    mgmt = urllib.parse.urlsplit(settings.amqp_management_url)
+    ui = f"{mgmt.scheme}://{mgmt.hostname}:{mgmt.port or 15672}"
+    print("the fleet keeps running; Ctrl-C drains it and exits")
+    print("  metrics (curl these, or give them to Prometheus as static targets):")
+    for p in crew.procs:
+        print(f"    {p.name:<26} http://127.0.0.1:{p.metrics_port}/metrics")
+    print(f"  RabbitMQ management UI: {ui}/#/queues (vhost {DEMO_VHOST})")
+    print(
+        "  dashboard: deploy/grafana/dashboards/custody.json, on a Prometheus that "
+        "scrapes the targets above"
+    )
+    sys.stdout.flush()
+
+
+async def _until_stopped(crew: fleet.Fleet) -> None:
+    """Wait for Ctrl-C or SIGTERM (or a worker's death, which ends the demo too)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set() and not crew.dead():
+            with contextlib.suppress(TimeoutError):  # a second passed: look at the fleet
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    dead = crew.dead()
+    print(f"  a worker died: {dead}" if dead else "  stopping: draining the fleet (SIGTERM)")
 
 
 def _by_status(counts: dict[str, int]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,14 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    metrics_port: int = 0  # 0: none (CUSTODY_METRICS_PORT unset)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -54,6 +63,11 @@ class Fleet:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
     least_privilege: bool = True
+    # each process serves /metrics on a port of its own (the demo's --keep prints them)
+    metrics: bool = False
+    # each process in a session of its own: a terminal's Ctrl-C reaches only the caller,
+    # which then drains the fleet with SIGTERM
+    own_session: bool = False
 
     def start(
         self, worker: str, *, name: str | None = None, extra_env: Mapping[str, str] | None = None
@@ -72,9 +86,19 @@ class Fleet:
                 {k: v for k, v in role_env(worker, name, env).items() if f"{k}_FILE" not in given}
             )
         env.update(extra_env or {})
+        port = free_port() if self.metrics else 0
+        if port:
+            env["CUSTODY_METRICS_PORT"] = str(port)
         with log.open("ab") as out:
-            popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        proc = Proc(label, popen, log)
+            popen = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.own_session,
+            )
+        proc = Proc(label, popen, log, port)
         self.procs.append(proc)
         return proc
 
