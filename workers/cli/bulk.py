@@ -8,12 +8,13 @@ refused (or its target had gone), 2 for a usage error."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from typing import Final
 
-from workers.cli.common import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, emit
+import click
+
+from workers.cli.common import EXIT_OK, EXIT_REFUSED, NAME, Args, Decorator, emit
 from workers.core import lifecycle
 from workers.engine import batch, transitions
 from workers.io import db
@@ -29,32 +30,50 @@ OPERATION_FILTERS: Final = ("status", "route", "tenant", "since")
 INSTANCE_FILTERS: Final = ("status", "tenant", "process", "since")
 
 
-class UsageError(Exception):
-    pass
+UsageError = click.UsageError
 
 
-def add_filters(p: argparse.ArgumentParser, kind: str) -> None:
-    """The filter flags (a batch) and --dry-run/--yes."""
-    what = "operations" if kind == batch.OPERATIONS else "instances"
+def filters(kind: str) -> list[Decorator]:
+    """The filter options (a batch: every visible target the filter matches, instead of
+    an id) and --dry-run/--yes."""
     statuses = lifecycle.Status if kind == batch.OPERATIONS else lifecycle.InstanceStatus
-    g = p.add_argument_group(f"batch: every visible {what} the filter matches (instead of an id)")
-    g.add_argument("--status", help=f"one of {', '.join(s.value for s in statuses)}")
-    g.add_argument("--tenant")
+    out = [
+        click.option(
+            "--status",
+            type=click.Choice([s.value for s in statuses]),
+            help="batch filter: the status",
+        ),
+        click.option("--tenant", type=NAME, help="batch filter: the tenant"),
+    ]
     if kind == batch.OPERATIONS:
-        g.add_argument("--route")
-        g.add_argument("--since", help="changed within this long: 90s, 30m, 2h, 1d (updated_at)")
+        out += [
+            click.option("--route", type=NAME, help="batch filter: the route"),
+            click.option(
+                "--since", help="batch filter: changed within this long: 90s, 30m, 2h, 1d"
+            ),
+        ]
     else:
-        g.add_argument("--process")
-        g.add_argument("--since", help="started within this long: 90s, 30m, 2h, 1d (created_at)")
-    g.add_argument(
-        "--limit", type=int, default=1000, help=f"act on at most this many (<= {batch.MAX_BATCH})"
-    )
-    mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="print the count and a sample")
-    mode.add_argument("--yes", action="store_true", help="run the command for each of them")
+        out += [
+            click.option("--process", type=NAME, help="batch filter: the process"),
+            click.option(
+                "--since", help="batch filter: started within this long: 90s, 30m, 2h, 1d"
+            ),
+        ]
+    return [
+        *out,
+        click.option(
+            "--limit",
+            type=click.IntRange(1, batch.MAX_BATCH),
+            default=1000,
+            show_default=True,
+            help="a batch acts on at most this many",
+        ),
+        click.option("--dry-run", is_flag=True, help="print the batch's count and a sample"),
+        click.option("--yes", is_flag=True, help="run the command for each of the batch"),
+    ]
 
 
-def is_batch(args: argparse.Namespace, kind: str) -> bool:
+def is_batch(args: Args, kind: str) -> bool:
     names = OPERATION_FILTERS if kind == batch.OPERATIONS else INSTANCE_FILTERS
     return any(getattr(args, n, None) is not None for n in names) or bool(args.dry_run or args.yes)
 
@@ -66,7 +85,7 @@ def since_seconds(text: str) -> float:
     return float(match[1]) * _UNIT_S[match[2]]
 
 
-def filter_of(args: argparse.Namespace, kind: str) -> batch.Filter:
+def filter_of(args: Args, kind: str) -> batch.Filter:
     statuses = lifecycle.Status if kind == batch.OPERATIONS else lifecycle.InstanceStatus
     names = OPERATION_FILTERS if kind == batch.OPERATIONS else INSTANCE_FILTERS
     if all(getattr(args, n, None) is None for n in names):
@@ -75,6 +94,8 @@ def filter_of(args: argparse.Namespace, kind: str) -> batch.Filter:
         raise UsageError(f"--status {args.status!r}: one of {', '.join(s.value for s in statuses)}")
     if not 1 <= args.limit <= batch.MAX_BATCH:
         raise UsageError(f"--limit {args.limit}: between 1 and {batch.MAX_BATCH}")
+    if args.dry_run and args.yes:
+        raise UsageError("--dry-run or --yes, not both")
     return batch.Filter(
         query=kind,
         status=args.status,
@@ -89,7 +110,7 @@ def filter_of(args: argparse.Namespace, kind: str) -> batch.Filter:
 
 async def run(
     settings: Settings,
-    args: argparse.Namespace,
+    args: Args,
     *,
     kind: str,
     action: str,
@@ -98,19 +119,10 @@ async def run(
 ) -> int:
     """A batch: the filter (as the login), then --dry-run's report or --yes's commands."""
     if single is not None:
-        print("custody: give an id or a filter, not both", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        flt = filter_of(args, kind)
-    except UsageError as exc:
-        print(f"custody: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("give an id or a filter, not both")
+    flt = filter_of(args, kind)
     if not (args.dry_run or args.yes):
-        print(
-            f"custody: a batch {action} needs --dry-run (count and sample) or --yes (run it)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        raise UsageError(f"a batch {action} needs --dry-run (count and sample) or --yes (run it)")
     async with db.connected(settings.database_url, schema="custody") as database:
         chosen = await batch.select(database, flt)
         what = "operation(s)" if kind == batch.OPERATIONS else "instance(s)"
@@ -123,13 +135,13 @@ async def run(
                 "sample": chosen.rows[:SAMPLE],
             }
             if args.json:
-                emit(report, True)
+                emit(report, args.output)
             else:
                 print(
                     f"dry run: {action} would act on {len(chosen.rows)} of {chosen.matched} "
                     f"{what} matching {_describe(flt)}; nothing changed"
                 )
-                emit(chosen.rows[:SAMPLE], False)
+                emit(chosen.rows[:SAMPLE], "text")
             return EXIT_OK
 
         def progress(i: int, n: int, target: str, outcome: transitions.Outcome) -> None:
@@ -139,7 +151,10 @@ async def run(
         summary = await batch.run(database, action, flt, targets, args.reason, command, progress)
     counts = {r.value: summary.counts.get(r.value, 0) for r in transitions.Result}
     if args.json:
-        emit({"action": action, "filter": flt.describe(), "selected": len(targets)} | counts, True)
+        emit(
+            {"action": action, "filter": flt.describe(), "selected": len(targets)} | counts,
+            args.output,
+        )
     else:
         print(
             f"batch {action}: {len(targets)} selected, {counts['done']} done, "

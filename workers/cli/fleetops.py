@@ -3,19 +3,23 @@ fleet's leases, for an operator."""
 
 from __future__ import annotations
 
-import argparse
 import base64
 import sys
 from typing import Any
+
+import click
 
 from workers.cli.common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_REFUSED,
-    EXIT_USAGE,
-    Subparsers,
-    audited_args,
+    LIMIT,
+    Args,
+    audited_options,
+    command,
     emit,
+    group,
+    with_options,
 )
 from workers.core import deadletters as letters
 from workers.engine import deadletters
@@ -29,15 +33,12 @@ async def _connected(settings: Settings) -> broker.Broker:
     return amqp
 
 
-async def cmd_dead_letters(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_dead_letters(settings: Settings, args: Args) -> int:
     """Read (list, show) or replay the dead letters, as CUSTODY_AMQP_URL's broker user
     (``custody-operator``: it reads custody.dead-letters, writes only where a replay
     goes) and, for a replay, CUSTODY_DATABASE_URL's operator login (authorized and
     audited)."""
     verb = args.dl_command
-    if verb == "list" and args.limit < 1:
-        print(f"custody: --limit {args.limit}: at least 1", file=sys.stderr)
-        return EXIT_USAGE
     amqp = await _connected(settings)
     try:
         if verb == "replay":
@@ -49,20 +50,20 @@ async def cmd_dead_letters(settings: Settings, args: argparse.Namespace) -> int:
                     args.reason,
                     confirm_timeout_s=settings.confirm_timeout_s,
                 )
-            return _report(results, args.json)
+            return _report(results, args.output)
         listing = await deadletters.read(amqp)
     finally:
         await amqp.close()
     if verb == "list":
-        emit([d.summary() for d in listing.letters[: args.limit]], args.json)
+        emit([d.summary() for d in listing.letters[: args.limit]], args.output)
         if listing.depth > args.limit and not args.json:
             print(f"({listing.depth} dead letters; --limit shows more)", file=sys.stderr)
         return EXIT_OK
     found = [d for d in listing.letters if d.message_id == args.message_id]
     if not found:
-        print(f"no dead letter with message_id {args.message_id}", file=sys.stderr)
+        print(f"custody: no dead letter with message_id {args.message_id}", file=sys.stderr)
         return EXIT_NOT_FOUND
-    emit([_full(d) for d in found], True)
+    emit([_full(d) for d in found], args.output)
     return EXIT_OK
 
 
@@ -79,9 +80,9 @@ def _full(d: letters.DeadLetter) -> dict[str, Any]:
     }
 
 
-def _report(results: list[deadletters.Replayed], as_json: bool) -> int:
-    if as_json:
-        emit([r.row() for r in results], True)
+def _report(results: list[deadletters.Replayed], output: str) -> int:
+    if output != "text":
+        emit([r.row() for r in results], output)
     else:
         for r in results:
             stream = sys.stdout if r.result == "done" else sys.stderr
@@ -95,46 +96,47 @@ def _report(results: list[deadletters.Replayed], as_json: bool) -> int:
     return EXIT_REFUSED
 
 
-async def cmd_workers(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_workers(settings: Settings, args: Args) -> int:
     async with (
         db.connected(settings.database_url, schema="custody") as database,
         database.transaction() as tx,
     ):
         rows = await tx.rows("workers_list")
-    emit(rows, args.json)
+    emit(rows, args.output)
     return EXIT_OK
 
 
-def register(sub: Subparsers) -> None:
-    dl = sub.add_parser(
-        "dead-letters",
-        # (not the word "replay" at the top level: no command replays an operation)
-        help="the dead-letter queue (custody.dead-letters): read it without changing it, "
-        "send one back to where it came from (broker user custody-operator)",
-    ).add_subparsers(dest="dl_command", required=True)
-    ls = dl.add_parser("list", help="oldest first: message_id, reason, origin, deliveries")
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true")
-    ls.set_defaults(fn=cmd_dead_letters)
-    sh = dl.add_parser("show", help="one dead letter in full: headers, x-death, body (JSON)")
-    sh.add_argument("message_id")
-    sh.set_defaults(fn=cmd_dead_letters)
-    rp = dl.add_parser(
-        "replay",
-        help="publish to its original exchange and routing key (same message_id, body and "
-        "headers), then remove it from the queue; authorized (action replay) and audited; "
-        "exit 0 done, 3 refused, 4 not found, 1 not confirmed",
-    )
-    rp.add_argument("message_id", nargs="+")
-    audited_args(rp)
-    rp.set_defaults(fn=cmd_dead_letters)
+def register(root: click.Group) -> None:
+    # (not the word "replay" at the top level: no command replays an operation)
+    dl = group(root, "dead-letters")
+    for verb, help, params, default_output in (
+        (
+            "list",
+            "oldest first: message_id, reason, origin, deliveries",
+            [click.option("--limit", type=LIMIT, default=50, show_default=True)],
+            "text",
+        ),
+        (
+            "show",
+            "one dead letter in full: headers, x-death, body (default --output json)",
+            [click.argument("message_id")],
+            "json",
+        ),
+        (
+            "replay",
+            "publish to its original exchange and routing key (same message_id, body and "
+            "headers), then remove it from the queue; authorized (action replay) and "
+            "audited; exit 0 done, 3 refused, 4 not found, 1 not confirmed",
+            [click.argument("message_id", nargs=-1, required=True), audited_options],
+            "text",
+        ),
+    ):
+        body = with_options(cmd_dead_letters, dl_command=verb)
+        command(dl, verb, body, help=help, params=params, default_output=default_output)
 
-    wk = (
-        sub.add_parser("workers", help="the engine fleet, from its leases")
-        .add_subparsers(dest="w", required=True)
-        .add_parser(
-            "list", help="holder, worker type, epoch, acquired, last heartbeat, expires, live"
-        )
+    command(
+        group(root, "workers"),
+        "list",
+        cmd_workers,
+        help="holder, worker type, epoch, acquired, last heartbeat, expires, live",
     )
-    wk.add_argument("--json", action="store_true")
-    wk.set_defaults(fn=cmd_workers)

@@ -1,16 +1,27 @@
-"""``quarantine``, ``instances``, ``operations``, ``history``, ``audit``: read-only views
-through the named queries."""
+"""``quarantine``, ``instances list|show|history``, ``operations list|show``, ``audit``:
+read-only views through the named queries."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-import uuid
 from typing import Any
 
+import click
+
 from workers import provision
-from workers.cli.common import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, Subparsers, emit
-from workers.core import process
+from workers.cli.common import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    LIMIT,
+    NAME,
+    UUID,
+    Args,
+    command,
+    emit,
+    group,
+    known_participant,
+)
+from workers.core import lifecycle
 from workers.io import db
 from workers.settings import Settings
 
@@ -36,20 +47,21 @@ async def _participant_query(
         return await tx.rows(name, params)
 
 
-async def cmd_quarantine(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_quarantine(settings: Settings, args: Args) -> int:
     params = {"reason": args.reason, "limit": args.limit}
     if args.participant:
+        known_participant(settings, args.participant)
         rows = await _participant_query(settings, args.participant, "p_refused_list", params)
     else:
         rows = await _query(settings, "quarantine_list", params)
-    emit(rows, args.json)
+    emit(rows, args.output)
     return EXIT_OK
 
 
 STATS_BY = ("reason", "tenant", "source", "worker")  # a participant's: reason only
 
 
-async def cmd_quarantine_stats(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_quarantine_stats(settings: Settings, args: Args) -> int:
     """Counts by the chosen columns, of the engine's quarantine (row-level security: an
     operator counts only its tenants') or of a participant's refused commands."""
     by = [c.strip() for c in args.by.split(",") if c.strip()]
@@ -57,159 +69,157 @@ async def cmd_quarantine_stats(settings: Settings, args: argparse.Namespace) -> 
     bad = [c for c in by if c not in allowed]
     if not by or bad:
         where = f"participant {args.participant}'s refused commands" if args.participant else ""
-        print(
-            f"custody: --by {args.by!r}: a comma-separated list of {', '.join(allowed)}"
-            + (f" (for {where})" if where else ""),
-            file=sys.stderr,
+        raise click.UsageError(
+            f"--by {args.by!r}: a comma-separated list of {', '.join(allowed)}"
+            + (f" (for {where})" if where else "")
         )
-        return EXIT_USAGE
     if args.participant:
-        table, _ = process.load_config(settings)
-        owners = sorted({r.owner for r in table.by_name.values()})
-        if args.participant not in owners:
-            print(
-                f"custody: --participant {args.participant!r}: one of {', '.join(owners)}",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
+        known_participant(settings, args.participant)
         rows = await _participant_query(settings, args.participant, "p_refused_stats", {"by": by})
     else:
         rows = await _query(settings, "quarantine_stats", {"by": by})
-    emit([{c: r.get(c) for c in (*by, "n", "last_at")} for r in rows], args.json)
+    emit([{c: r.get(c) for c in (*by, "n", "last_at")} for r in rows], args.output)
     return EXIT_OK
 
 
-async def cmd_instances(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_instances(settings: Settings, args: Args) -> int:
     rows = await _query(
         settings,
         "instance_list",
         {"status": args.status, "tenant": args.tenant, "limit": args.limit},
     )
-    emit(rows, args.json)
+    emit(rows, args.output)
     return EXIT_OK
 
 
-async def cmd_operations(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_operations(settings: Settings, args: Args) -> int:
     rows = await _query(
         settings,
         "operation_list",
         {"status": args.status, "tenant": args.tenant, "route": args.route, "limit": args.limit},
     )
-    emit(rows, args.json)
+    emit(rows, args.output)
     return EXIT_OK
 
 
-async def cmd_history(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_history(settings: Settings, args: Args) -> int:
     rows = await _query(settings, "instance_history", {"id": args.instance_id})
     if not rows:
-        print(f"no instance {args.instance_id}", file=sys.stderr)
+        print(f"custody: no instance {args.instance_id}", file=sys.stderr)
         return EXIT_NOT_FOUND
-    emit(rows, args.json)
+    emit(rows, args.output)
     return EXIT_OK
 
 
-async def cmd_audit(settings: Settings, args: argparse.Namespace) -> int:
-    emit(await _query(settings, "audit_list", {"limit": args.limit}), args.json)
+async def cmd_audit(settings: Settings, args: Args) -> int:
+    emit(await _query(settings, "audit_list", {"limit": args.limit}), args.output)
     return EXIT_OK
 
 
 async def _show(
-    settings: Settings, noun: str, ident: str, query: str, parts: dict[str, str]
+    settings: Settings, args: Args, noun: str, query: str, parts: dict[str, str]
 ) -> int:
     """One row in full, with its related rows (exit 4 if there is none)."""
     async with (
         db.connected(settings.database_url, schema="custody") as database,
         database.transaction() as tx,
     ):
-        row = await tx.one(query, {"id": ident}) if _uuid(ident) else None
+        row = await tx.one(query, {"id": args.id})
         if row is None:
-            print(f"no {noun} {ident}", file=sys.stderr)
+            print(f"custody: no {noun} {args.id}", file=sys.stderr)
             return EXIT_NOT_FOUND
         for key, name in parts.items():
-            row[key] = await tx.rows(name, {"id": ident})
-    emit(row, True)
+            row[key] = await tx.rows(name, {"id": args.id})
+    emit(row, args.output)
     return EXIT_OK
 
 
-async def cmd_instance_show(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_instance_show(settings: Settings, args: Args) -> int:
     return await _show(
         settings,
+        args,
         "instance",
-        args.id,
         "instance_get",
         {"operations": "instance_operations", "history": "instance_history"},
     )
 
 
-async def cmd_operation_show(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_operation_show(settings: Settings, args: Args) -> int:
     return await _show(
         settings,
+        args,
         "operation",
-        args.id,
         "operation_get",
         {"attempts": "operation_attempts", "receipts": "operation_receipts"},
     )
 
 
-def _uuid(value: str) -> bool:
-    try:
-        uuid.UUID(value)
-    except ValueError:
-        return False
-    return True
-
-
-def register(sub: Subparsers) -> None:
-    """``quarantine``, ``instances``, ``operations``, ``history`` (``audit`` is listed
-    later in ``custody --help``: see :func:`register_audit`)."""
-    q = sub.add_parser("quarantine", help="quarantined messages").add_subparsers(
-        dest="q", required=True
+def register(root: click.Group) -> None:
+    q = group(root, "quarantine")
+    participant = click.option(
+        "--participant",
+        help="a participant's refused commands instead of the engine's (a route owner)",
     )
-    ql = q.add_parser("list", help="newest first, with their reasons")
-    ql.add_argument("--reason")
-    ql.add_argument(
-        "--participant", help="a participant's refused commands instead of the engine's"
+    command(
+        q,
+        "list",
+        cmd_quarantine,
+        help="newest first, with their reasons",
+        params=[click.option("--reason"), participant, _limit(50)],
     )
-    ql.add_argument("--limit", type=int, default=50)
-    ql.add_argument("--json", action="store_true")
-    ql.set_defaults(fn=cmd_quarantine)
-    qs = q.add_parser("stats", help="counts grouped by --by (reason,tenant,source,worker)")
-    qs.add_argument(
-        "--by", default="reason", help="comma-separated: reason, tenant, source, worker"
+    command(
+        q,
+        "stats",
+        cmd_quarantine_stats,
+        help="counts grouped by --by (reason,tenant,source,worker)",
+        params=[
+            click.option(
+                "--by",
+                default="reason",
+                show_default=True,
+                help="comma-separated: reason, tenant, source, worker (a participant's: reason)",
+            ),
+            participant,
+        ],
     )
-    qs.add_argument("--participant", help="a participant's refused commands (--by reason)")
-    qs.add_argument("--json", action="store_true")
-    qs.set_defaults(fn=cmd_quarantine_stats)
 
-    for noun, fn, show in (
-        ("instances", cmd_instances, cmd_instance_show),
-        ("operations", cmd_operations, cmd_operation_show),
+    for noun, fn, show, statuses in (
+        ("instances", cmd_instances, cmd_instance_show, lifecycle.InstanceStatus),
+        ("operations", cmd_operations, cmd_operation_show, lifecycle.Status),
     ):
-        nouns = sub.add_parser(noun).add_subparsers(dest="x", required=True)
-        sp = nouns.add_parser("show", help=f"one of the {noun}, in full (JSON)")
-        sp.add_argument("id")
-        sp.set_defaults(fn=show)
-        lp = nouns.add_parser("list")
-        lp.add_argument("--status")
-        lp.add_argument("--tenant")
+        nouns = group(root, noun)
+        command(
+            nouns,
+            "show",
+            show,
+            help=f"one of the {noun}, in full (default --output json); exit 4 if there is none",
+            default_output="json",
+            params=[click.argument("id", type=UUID)],
+        )
+        filters = [
+            click.option("--status", type=click.Choice([s.value for s in statuses])),
+            click.option("--tenant", type=NAME),
+        ]
         if noun == "operations":
-            lp.add_argument("--route")
-        lp.add_argument("--limit", type=int, default=50)
-        lp.add_argument("--json", action="store_true")
-        lp.set_defaults(fn=fn)
-
-    h = sub.add_parser("history", help="an instance's history, in order")
-    h.add_argument("instance_id")
-    h.add_argument("--json", action="store_true")
-    h.set_defaults(fn=cmd_history)
-
-
-def register_audit(sub: Subparsers) -> None:
-    au = (
-        sub.add_parser("audit")
-        .add_subparsers(dest="a", required=True)
-        .add_parser("list", help="operator commands and refusals, newest first")
+            filters.append(click.option("--route", type=NAME))
+        command(nouns, "list", fn, help=f"the {noun}, newest first", params=[*filters, _limit(50)])
+    command(
+        group(root, "instances"),
+        "history",
+        cmd_history,
+        help="an instance's history, in order; exit 4 if there is none",
+        params=[click.argument("instance_id", type=UUID)],
     )
-    au.add_argument("--limit", type=int, default=50)
-    au.add_argument("--json", action="store_true")
-    au.set_defaults(fn=cmd_audit)
+    command(
+        group(root, "audit"),
+        "list",
+        cmd_audit,
+        help="operator commands and refusals, newest first",
+        params=[_limit(50)],
+    )
+
+
+def _limit(default: int) -> Any:
+    return click.option(
+        "--limit", type=LIMIT, default=default, show_default=True, help="at most this many rows"
+    )

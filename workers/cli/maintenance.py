@@ -3,14 +3,24 @@ checks of the files a deployment ships, and the demo."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
 
+import click
+
 from contracts import codec
 from workers import provision
-from workers.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subparsers, emit
+from workers.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Args,
+    command,
+    emit,
+    group,
+    known_participant,
+)
 from workers.core import horizon, process, routes
 from workers.engine import retention as engine_retention
 from workers.io import db
@@ -18,10 +28,11 @@ from workers.participant import retention as participant_retention
 from workers.settings import ROOT, Settings
 
 
-async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_retention(settings: Settings, args: Args) -> int:
     _, catalog = process.load_config(settings)
     horizon.check(settings, catalog)
     if args.participant:
+        known_participant(settings, args.participant)
         async with db.connected(
             settings.participant_database_url, schema=provision.participant_schema(args.participant)
         ) as database:
@@ -31,11 +42,11 @@ async def cmd_retention(settings: Settings, args: argparse.Namespace) -> int:
             removed = await engine_retention.cleanup(
                 database, settings.retention_s, archive_s=horizon.archive_after(settings)
             )
-    emit({"horizon_s": settings.retention_s, "removed": removed}, args.json)
+    emit({"horizon_s": settings.retention_s, "removed": removed}, args.output)
     return EXIT_OK
 
 
-async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_schemas(settings: Settings, args: Args) -> int:
     out = ROOT / "contracts" / "schemas"
     drift = []
     for name, schema in codec.json_schemas().items():
@@ -56,7 +67,7 @@ async def cmd_schemas(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_definitions_check(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_definitions_check(settings: Settings, args: Args) -> int:
     """Load the routes file and every process definition as a worker's start-up does
     (contract names, the digest's domain, the routes, the retention horizon)."""
     checked = replace(
@@ -78,59 +89,73 @@ async def cmd_definitions_check(settings: Settings, args: argparse.Namespace) ->
     return EXIT_OK
 
 
-async def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
-    emit(settings.redacted(), True)
+async def cmd_config(settings: Settings, args: Args) -> int:
+    emit(settings.redacted(), args.output)
     return EXIT_OK
 
 
-async def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_demo(settings: Settings, args: Args) -> int:
     from workers.harness import demo
 
-    return await demo.run(settings, instances=args.instances, replicas=args.replicas)
-
-
-def register_retention(sub: Subparsers) -> None:
-    """``retention`` (listed before ``audit`` in ``custody --help``: see :func:`register`)."""
-    rt = (
-        sub.add_parser("retention")
-        .add_subparsers(dest="r", required=True)
-        .add_parser(
-            "cleanup",
-            help="remove history older than CUSTODY_RETENTION_S and archive instances "
-            "finished before CUSTODY_ARCHIVE_AFTER_S, in batches "
-            "(refused if a horizon is too short)",
-        )
+    return await demo.run(
+        settings, instances=args.instances, replicas=args.replicas, keep=args.keep
     )
-    rt.add_argument("--participant", help="a participant's history instead of the engine's")
-    rt.add_argument("--json", action="store_true")
-    rt.set_defaults(fn=cmd_retention)
 
 
-def register(sub: Subparsers) -> None:
-    """``contracts``, ``definitions``, ``config``, ``demo``."""
-    c = sub.add_parser("contracts").add_subparsers(dest="c", required=True)
-    cs = c.add_parser("schemas", help="write (or --check) contracts/schemas/*.json")
-    cs.add_argument("--check", action="store_true")
-    cs.set_defaults(fn=cmd_schemas)
-
-    dc = (
-        sub.add_parser("definitions", help="process definitions")
-        .add_subparsers(dest="df", required=True)
-        .add_parser(
-            "check",
-            help="load the routes file and the process definitions as a worker would "
-            "(CUSTODY_ROUTES_FILE, CUSTODY_PROCESSES_DIR); exit 0 ok, 2 refused",
-        )
+def register(root: click.Group) -> None:
+    command(
+        group(root, "retention"),
+        "cleanup",
+        cmd_retention,
+        help="remove history older than CUSTODY_RETENTION_S and archive instances "
+        "finished before CUSTODY_ARCHIVE_AFTER_S, in batches (refused if a horizon is "
+        "too short)",
+        params=[
+            click.option("--participant", help="a participant's history instead of the engine's")
+        ],
     )
-    dc.add_argument("--dir", help="a processes directory instead of CUSTODY_PROCESSES_DIR")
-    dc.add_argument("--routes", help="a routes file instead of CUSTODY_ROUTES_FILE")
-    dc.set_defaults(fn=cmd_definitions_check)
-
-    sub.add_parser("config").add_subparsers(dest="cf", required=True).add_parser(
-        "show", help="effective settings, secrets redacted"
-    ).set_defaults(fn=cmd_config)
-
-    d = sub.add_parser("demo", help="the whole fleet and sample participants doing real work")
-    d.add_argument("--instances", type=int, default=300)
-    d.add_argument("--replicas", type=int, default=1)
-    d.set_defaults(fn=cmd_demo)
+    command(
+        group(root, "contracts"),
+        "schemas",
+        cmd_schemas,
+        help="write (or --check) contracts/schemas/*.json",
+        emits=False,
+        params=[click.option("--check", is_flag=True, help="exit 1 if a schema drifted")],
+    )
+    command(
+        group(root, "definitions"),
+        "check",
+        cmd_definitions_check,
+        help="load the routes file and the process definitions as a worker would "
+        "(CUSTODY_ROUTES_FILE, CUSTODY_PROCESSES_DIR); exit 0 ok, 2 refused",
+        emits=False,
+        params=[
+            click.option("--dir", help="a processes directory instead of CUSTODY_PROCESSES_DIR"),
+            click.option("--routes", help="a routes file instead of CUSTODY_ROUTES_FILE"),
+        ],
+    )
+    command(
+        group(root, "config"),
+        "show",
+        cmd_config,
+        help="the effective settings, every password masked (default --output json)",
+        default_output="json",
+    )
+    command(
+        group(root, "demo"),
+        "run",
+        cmd_demo,
+        help="the whole fleet and the sample participants doing real work, in their own "
+        "databases and vhost",
+        emits=False,
+        params=[
+            click.option("--instances", type=click.IntRange(1), default=300, show_default=True),
+            click.option("--replicas", type=click.IntRange(1, 16), default=1, show_default=True),
+            click.option(
+                "--keep",
+                is_flag=True,
+                help="leave the fleet running (metrics ports and the management UI "
+                "printed) until Ctrl-C, then drain it",
+            ),
+        ],
+    )

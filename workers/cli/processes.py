@@ -1,23 +1,38 @@
-"""``run`` (one worker, or one sample participant, until SIGTERM) and ``start`` (publish
-start requests)."""
+"""``workers run`` (one worker, or one sample participant, until SIGTERM) and
+``instances start`` (publish start requests)."""
 
 from __future__ import annotations
 
-import argparse
-import sys
+import logging
+import uuid
+from typing import Any
 
-import orjson
+import click
+import pydantic
 
+from contracts import identity
 from workers import errors, provision
-from workers.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subparsers, emit
+from workers.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    JSON_OBJECT,
+    NAME,
+    UUID,
+    Args,
+    command,
+    emit,
+    group,
+)
 from workers.core import horizon, names, process
 from workers.io import broker
 from workers.runtime import faults, logs, metrics, supervisor
 from workers.settings import Settings
 
 
-async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_run(settings: Settings, args: Args) -> int:
     logs.setup_logging(settings.log_format)
+    for warning in Settings.unknown_variables():
+        logs.event("config.unknown_variable", logging.WARNING, warning=warning)
     faults.arm()  # an unknown fault name stops the worker before it takes work
     if args.worker == "participant":
         return await run_participant(settings, args.name)
@@ -45,8 +60,10 @@ async def run_participant(settings: Settings, name: str | None) -> int:
     from workers.participant import service
 
     if not name or name not in samples.HANDLERS:
-        print(f"--name must be one of {sorted(samples.HANDLERS)}", file=sys.stderr)
-        return EXIT_USAGE
+        raise click.UsageError(
+            f"--name {name!r}: a participant worker needs one of "
+            + ", ".join(sorted(samples.HANDLERS))
+        )
     table, catalog = process.load_config(settings)
     horizon.check(settings, catalog)
     owned = table.owned_by(name)
@@ -80,50 +97,115 @@ async def run_participant(settings: Settings, name: str | None) -> int:
     )
 
 
-async def cmd_start(settings: Settings, args: argparse.Namespace) -> int:
+MAX_COUNT = 100_000  # one command's starts (each is held in memory until confirmed)
+
+
+async def cmd_start(settings: Settings, args: Args) -> int:
+    """Publish ``--count`` start requests and print every one (start request id, the
+    instance id it creates, whether the broker confirmed it)."""
+    _, catalog = process.load_config(settings)
+    known = sorted({n for n, _ in catalog.definitions})
+    if args.process not in known:
+        raise click.UsageError(
+            f"--process {args.process!r}: no such process definition; one of {', '.join(known)}"
+        )
+    first = args.start_request_id or str(uuid.uuid4())
+    ids = (
+        identity.start_request_ids(first, args.count)
+        if args.start_request_id
+        else [first, *(str(uuid.uuid4()) for _ in range(args.count - 1))]
+    )
     try:
-        data = orjson.loads(args.input)
-    except orjson.JSONDecodeError as exc:
-        print(f"--input is not JSON: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        items = [
+            broker.start_request(
+                tenant=args.tenant,
+                process=args.process,
+                input=args.input,
+                requested_by=args.actor,
+                start_request_id=sid,
+            )
+            for sid in ids
+        ]
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise click.UsageError(f"--input: {where}: {error['msg']}") from None
     amqp = broker.Broker(settings.amqp_url, "cli", broker.tls(settings))
     await amqp.connect()
     try:
-        pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
-        ids = []
-        items = []
-        for _ in range(args.count):
-            item = broker.start_request(
-                tenant=args.tenant, process=args.process, input=data, requested_by=args.actor
-            )
-            ids.append(item.message_id)
-            items.append(item)
+        pub = await amqp.publisher(window=64, timeout_s=settings.confirm_timeout_s, user_id=None)
         outcomes = await pub.publish_many(items)
     finally:
         await amqp.close()
-    failed = [o for o in outcomes if not o.ok]
-    emit(
+    rows: list[dict[str, Any]] = [
         {
-            "published": len(outcomes) - len(failed),
-            "failed": len(failed),
-            "start_request_ids": ids[:10],
-        },
-        args.json,
-    )
+            "start_request_id": o.message_id,
+            "instance_id": identity.instance_id(args.tenant, o.message_id),
+            "published": o.ok,
+            **({"error": o.error} if o.error else {}),
+        }
+        for o in outcomes
+    ]
+    failed = sum(not o.ok for o in outcomes)
+    if args.output == "json":
+        emit(
+            {
+                "published": len(outcomes) - failed,
+                "failed": failed,
+                "start_request_ids": [r["start_request_id"] for r in rows],
+                "instance_ids": [r["instance_id"] for r in rows],
+                "starts": rows,
+            },
+            "json",
+        )
+    else:
+        emit(rows, args.output)
+    if failed:
+        click.echo(
+            f"custody: {failed} of {len(rows)} start requests not confirmed; run the same "
+            "command again (with --start-request-id, it creates nothing twice)",
+            err=True,
+        )
     return EXIT_OK if not failed else EXIT_FAILED
 
 
-def register(sub: Subparsers) -> None:
-    r = sub.add_parser("run", help="run one worker until SIGTERM")
-    r.add_argument("worker", choices=[*names.ENGINE_WORKERS, names.PARTICIPANT])
-    r.add_argument("--name", help="participant name (inventory, payments, shipping)")
-    r.set_defaults(fn=cmd_run)
+def register(root: click.Group) -> None:
+    run_params = [
+        click.argument("worker", type=click.Choice([*names.ENGINE_WORKERS, names.PARTICIPANT])),
+        click.option("--name", help="participant name (inventory, payments, shipping)"),
+    ]
+    run_help = (
+        "run one worker until SIGTERM (CUSTODY_METRICS_PORT, CUSTODY_DRAIN_GRACE_S, "
+        "CUSTODY_LOG_FORMAT)"
+    )
+    command(group(root, "workers"), "run", cmd_run, help=run_help, emits=False, params=run_params)
+    # the old spelling: every deployment manifest and the harnesses run ``custody run``
+    command(root, "run", cmd_run, help=run_help, emits=False, hidden=True, params=run_params)
 
-    s = sub.add_parser("start", help="publish start requests")
-    s.add_argument("--tenant", required=True)
-    s.add_argument("--process", required=True)
-    s.add_argument("--input", required=True, help="the instance input, a JSON object")
-    s.add_argument("--count", type=int, default=1)
-    s.add_argument("--actor", default="cli")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_start)
+    start_params = [
+        click.option("--tenant", required=True, type=NAME, help="the tenant (a contract name)"),
+        click.option("--process", required=True, type=NAME, help="a process definition's name"),
+        click.option(
+            "--input", required=True, type=JSON_OBJECT, help="the instance input, a JSON object"
+        ),
+        click.option(
+            "--count",
+            type=click.IntRange(1, MAX_COUNT),
+            default=1,
+            show_default=True,
+            help="how many instances",
+        ),
+        click.option(
+            "--start-request-id",
+            type=UUID,
+            help="the (first) start request's id, so a retry after a confirm timeout "
+            "creates nothing new; with --count N the others are derived from it",
+        ),
+        click.option("--actor", type=NAME, default="cli", show_default=True, help="requested_by"),
+    ]
+    start_help = (
+        "publish start requests and print each one's id and its instance's "
+        "(CUSTODY_AMQP_URL, CUSTODY_CONFIRM_TIMEOUT_S)"
+    )
+    command(group(root, "instances"), "start", cmd_start, help=start_help, params=start_params)
+    command(root, "start", cmd_start, help=start_help, hidden=True, params=start_params)

@@ -3,73 +3,84 @@ callers of :mod:`workers.provision`."""
 
 from __future__ import annotations
 
-import argparse
+import click
 
 from workers import provision
-from workers.cli.common import EXIT_OK, Subparsers
+from workers.cli.common import EXIT_OK, Args, command, group
 from workers.settings import Settings
 
 
-async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_migrate(settings: Settings, args: Args) -> int:
     await provision.migrate(settings, participants=args.participants)
     return EXIT_OK
 
 
-async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_topology(settings: Settings, args: Args) -> int:
     await provision.apply_topology(settings)
     return EXIT_OK
 
 
-async def cmd_operators_apply(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_operators_apply(settings: Settings, args: Args) -> int:
     await provision.sync_operators(
         settings, args.file or settings.operators_file, create_logins=args.create_logins
     )
     return EXIT_OK
 
 
-async def cmd_dev_users(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_dev_users(settings: Settings, args: Args) -> int:
     await provision.dev_users(settings, args.password)
     return EXIT_OK
 
 
-def register(sub: Subparsers) -> None:
-    dbp = sub.add_parser("db", help="database schema").add_subparsers(
-        dest="db_command", required=True
+def register(root: click.Group) -> None:
+    db = group(root, "db")
+    # one verb a line: ``db status`` (the migrations' state) is one more command() here
+    command(
+        db,
+        "migrate",
+        cmd_migrate,
+        help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently",
+        emits=False,
+        params=[
+            click.option(
+                "--participants",
+                is_flag=True,
+                help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)",
+            )
+        ],
     )
-    m = dbp.add_parser("migrate", help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently")
-    m.add_argument(
-        "--participants",
-        action="store_true",
-        help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)",
-    )
-    m.set_defaults(fn=cmd_migrate)
 
-    top = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
-        dest="t", required=True
-    )
-    top.add_parser(
+    command(
+        group(root, "topology"),
         "apply",
+        cmd_topology,
         help="declare exchanges, quorum queues, bindings and the policy "
         "(CUSTODY_AMQP_URL, CUSTODY_AMQP_MANAGEMENT_URL, CUSTODY_DELIVERY_LIMIT)",
-    ).set_defaults(fn=cmd_topology)
-
-    br = sub.add_parser("broker", help="broker users").add_subparsers(dest="b", required=True)
-    du = br.add_parser("dev-users", help="one user per participant principal (dev and tests)")
-    du.add_argument("--password", default="custody-dev")
-    du.set_defaults(fn=cmd_dev_users)
-
-    ops = sub.add_parser("operators", help="operator logins and grants").add_subparsers(
-        dest="o", required=True
+        emits=False,
     )
-    oa = ops.add_parser(
+
+    command(
+        group(root, "broker"),
+        "dev-users",
+        cmd_dev_users,
+        help="one user per participant principal (dev and tests; CUSTODY_AMQP_MANAGEMENT_URL)",
+        emits=False,
+        params=[click.option("--password", default="custody-dev", show_default=True)],
+    )
+
+    command(
+        group(root, "operators"),
         "apply",
+        cmd_operators_apply,
         help="make the database's operator grants say what the operators file says, and "
         "each operator's own login role a member of custody_operators (as the migrator)",
+        emits=False,
+        params=[
+            click.option("--file", help="the operators file (default: CUSTODY_OPERATORS_FILE)"),
+            click.option(
+                "--create-logins",
+                is_flag=True,
+                help="create a missing login role per operator (development and tests only)",
+            ),
+        ],
     )
-    oa.add_argument("--file", help="default: CUSTODY_OPERATORS_FILE")
-    oa.add_argument(
-        "--create-logins",
-        action="store_true",
-        help="create a missing login role per operator (development and tests only)",
-    )
-    oa.set_defaults(fn=cmd_operators_apply)

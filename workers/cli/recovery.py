@@ -1,13 +1,16 @@
-"""``reconcile``, ``retry-safe``, ``cancel``, ``cancel-start``, ``dispatch``, ``restore``:
-the controlled operator commands, run in the database as the operator's own login."""
+"""``operations reconcile|retry-safe``, ``instances cancel``, ``start-requests cancel``,
+``dispatch``, ``restore``: the controlled operator commands, run in the database as the
+operator's own login. The old spellings (``custody reconcile``, ``retry-safe``,
+``cancel``, ``cancel-start``) stay as hidden aliases: the tests and runbooks use them."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+import click
 
 from workers import provision
 from workers.cli import bulk
@@ -16,9 +19,16 @@ from workers.cli.common import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_USAGE,
-    Subparsers,
-    audited_args,
+    NAME,
+    UUID,
+    Args,
+    Body,
+    Decorator,
+    audited_options,
+    command,
     emit,
+    group,
+    with_options,
 )
 from workers.core import process
 from workers.io import db
@@ -28,7 +38,7 @@ if TYPE_CHECKING:
     from workers.engine import transitions
 
 
-async def _operator_command(settings: Settings, args: argparse.Namespace, call: Any) -> int:
+async def _operator_command(settings: Settings, args: Args, call: Any) -> int:
     """Run a controlled command as the login of ``CUSTODY_DATABASE_URL``: the database
     takes the actor from that authenticated role (``session_user``), never from input."""
     from workers.engine import transitions
@@ -48,7 +58,10 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
         transitions.Result.NOT_FOUND: EXIT_NOT_FOUND,
     }
     if args.json:
-        emit({"result": outcome.result.value, "message": outcome.message, **outcome.data}, True)
+        emit(
+            {"result": outcome.result.value, "message": outcome.message, **outcome.data},
+            args.output,
+        )
     else:
         stream = sys.stdout if outcome.result is transitions.Result.DONE else sys.stderr
         print(f"{outcome.result.value}: {outcome.message}", file=stream)
@@ -57,7 +70,7 @@ async def _operator_command(settings: Settings, args: argparse.Namespace, call: 
 
 async def _one_or_batch(
     settings: Settings,
-    args: argparse.Namespace,
+    args: Args,
     *,
     kind: str,
     action: str,
@@ -74,7 +87,7 @@ async def _one_or_batch(
     return await _operator_command(settings, args, lambda op: command(op, target))
 
 
-async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_reconcile(settings: Settings, args: Args) -> int:
     return await _one_or_batch(
         settings,
         args,
@@ -85,7 +98,7 @@ async def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
-async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_retry_safe(settings: Settings, args: Args) -> int:
     return await _one_or_batch(
         settings,
         args,
@@ -96,7 +109,7 @@ async def cmd_retry_safe(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
-async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_cancel(settings: Settings, args: Args) -> int:
     return await _one_or_batch(
         settings,
         args,
@@ -107,7 +120,7 @@ async def cmd_cancel(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
-async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_cancel_start(settings: Settings, args: Args) -> int:
     return await _operator_command(
         settings,
         args,
@@ -115,7 +128,7 @@ async def cmd_cancel_start(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
-async def cmd_dispatch(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_dispatch(settings: Settings, args: Args) -> int:
     """``dispatch pause|resume``: globally without a target, for one ``--instance``, or
     for every instance a filter matches."""
     paused = args.dispatch_command == "pause"
@@ -135,7 +148,7 @@ def _given(target: str | None) -> str:
     return target
 
 
-async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
+async def cmd_restore(settings: Settings, args: Args) -> int:
     from workers.engine import restore
 
     step = args.restore_command
@@ -158,7 +171,7 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
         finally:
             for d in (engine_db, *journals.values()):
                 await d.close()
-        emit(result, True)
+        emit(result, args.output)
         return EXIT_OK
 
     async def call(op: transitions.Operator) -> transitions.Outcome:
@@ -167,90 +180,117 @@ async def cmd_restore(settings: Settings, args: argparse.Namespace) -> int:
             return await runbook.mark_restored(None, args.reason)
         if step == "reconcile":
             return await runbook.reconcile(None, args.reason)
-        return await runbook.resume(None, args.reason, args.force)
+        return await runbook.resume(None, args.reason, bool(args.force))
 
     return await _operator_command(settings, args, call)
 
 
-def _operator_args(p: argparse.ArgumentParser) -> None:
-    audited_args(p)
+def _operator_options(f: Any) -> Any:
+    f = audited_options(f)
     # gone: the actor is the database login; kept only to say so
-    p.add_argument("--as", dest="actor", help=argparse.SUPPRESS)
+    return click.option("--as", "actor", hidden=True)(f)
 
 
-def register(sub: Subparsers) -> None:
-    rc = sub.add_parser(
+def _controlled(
+    root: click.Group,
+    parent: click.Group,
+    name: str,
+    body: Body,
+    help: str,
+    params: list[Decorator],
+    *,
+    alias: str | None = None,
+) -> None:
+    """A controlled command under its noun, and (if the repo still uses it) under its
+    old top-level spelling, hidden."""
+    params = [*params, _operator_options]
+    command(parent, name, body, help=help, params=params)
+    if alias is not None:
+        command(root, alias, body, help=help, params=params, hidden=True)
+
+
+def register(root: click.Group) -> None:
+    operations = group(root, "operations")
+    instances = group(root, "instances")
+    _controlled(
+        root,
+        operations,
         "reconcile",
-        help="query the pinned executor of an outcome_unknown "
-        "operation (ReconcilePending), or of every operation a filter matches; "
-        "exit 0 done, 3 refused, 4 not found",
+        cmd_reconcile,
+        "query the pinned executor of an outcome_unknown operation (ReconcilePending), "
+        "or of every operation a filter matches; exit 0 done, 3 refused, 4 not found",
+        [click.argument("operation_id", required=False, type=UUID), *bulk.filters(bulk.OPERATIONS)],
+        alias="reconcile",
     )
-    rc.add_argument("operation_id", nargs="?")
-    _operator_args(rc)
-    bulk.add_filters(rc, bulk.OPERATIONS)
-    rc.set_defaults(fn=cmd_reconcile)
-
-    rs = sub.add_parser(
+    _controlled(
+        root,
+        operations,
         "retry-safe",
-        help="a new attempt, only from retry_waiting with "
-        "effect none (one operation, or every one a filter matches); exit 0 done, "
-        "3 refused, 4 not found",
+        cmd_retry_safe,
+        "a new attempt, only from retry_waiting with effect none (one operation, or every "
+        "one a filter matches); exit 0 done, 3 refused, 4 not found",
+        [click.argument("operation_id", required=False, type=UUID), *bulk.filters(bulk.OPERATIONS)],
+        alias="retry-safe",
     )
-    rs.add_argument("operation_id", nargs="?")
-    _operator_args(rs)
-    bulk.add_filters(rs, bulk.OPERATIONS)
-    rs.set_defaults(fn=cmd_retry_safe)
-
-    cn = sub.add_parser(
+    _controlled(
+        root,
+        instances,
         "cancel",
-        help="cancel an instance: its unresolved operations stay "
-        "cancelling until their executors answer; exit 0 done, 3 refused, "
-        "4 not found; or every instance a filter matches",
+        cmd_cancel,
+        "cancel an instance: its unresolved operations stay cancelling until their "
+        "executors answer; or every instance a filter matches; exit 0 done, 3 refused, "
+        "4 not found",
+        [click.argument("instance_id", required=False, type=UUID), *bulk.filters(bulk.INSTANCES)],
+        alias="cancel",
     )
-    cn.add_argument("instance_id", nargs="?")
-    _operator_args(cn)
-    bulk.add_filters(cn, bulk.INSTANCES)
-    cn.set_defaults(fn=cmd_cancel)
+    _controlled(
+        root,
+        group(root, "start-requests"),
+        "cancel",
+        cmd_cancel_start,
+        "cancel a start request: its instance if it exists, otherwise a durable tombstone "
+        "so a late start creates nothing; exit 0 done, 3 refused",
+        [
+            click.argument("start_request_id", type=UUID),
+            click.option("--tenant", required=True, type=NAME),
+        ],
+        alias="cancel-start",
+    )
 
-    cs = sub.add_parser(
-        "cancel-start",
-        help="cancel a start request: its instance if it "
-        "exists, otherwise a durable tombstone so a late start creates nothing",
-    )
-    cs.add_argument("start_request_id")
-    cs.add_argument("--tenant", required=True)
-    _operator_args(cs)
-    cs.set_defaults(fn=cmd_cancel_start)
-
-    dp = sub.add_parser("dispatch", help="pause or resume effect dispatch").add_subparsers(
-        dest="dispatch_command", required=True
-    )
+    dispatch = group(root, "dispatch")
     for verb in ("pause", "resume"):
-        v = dp.add_parser(
+        _controlled(
+            root,
+            dispatch,
             verb,
-            help=f"{verb} submits globally, for one --instance, or for every instance a "
-            "filter matches (queries and cancels still flow)",
+            with_options(cmd_dispatch, dispatch_command=verb),
+            f"{verb} submits globally, for one --instance, or for every instance a filter "
+            "matches (queries and cancels still flow)",
+            [
+                click.option("--instance", type=UUID, help="one instance only"),
+                *bulk.filters(bulk.INSTANCES),
+            ],
         )
-        v.add_argument("--instance")
-        _operator_args(v)
-        bulk.add_filters(v, bulk.INSTANCES)
-        v.set_defaults(fn=cmd_dispatch)
 
-    rp = sub.add_parser("restore", help="the restore runbook (README: Restore)").add_subparsers(
-        dest="restore_command", required=True
-    )
+    restore = group(root, "restore")
     for step, text in (
         ("mark-restored", "after restoring the database: hold dispatch, bump the generation"),
         ("reconcile", "query the pinned executor of every unsettled operation"),
         ("resume", "resume effect dispatch (refused while queries are unanswered)"),
     ):
-        st = rp.add_parser(step, help=text)
-        _operator_args(st)
-        if step == "resume":
-            st.add_argument(
-                "--force", action="store_true", help="resume although queries are unanswered"
-            )
-        st.set_defaults(fn=cmd_restore)
-    rp.add_parser("report", help="participant journals against engine rows (JSON)").set_defaults(
-        fn=cmd_restore
+        force = click.option("--force", is_flag=True, help="resume although queries are unanswered")
+        _controlled(
+            root,
+            restore,
+            step,
+            with_options(cmd_restore, restore_command=step),
+            text,
+            [force] if step == "resume" else [],
+        )
+    command(
+        restore,
+        "report",
+        with_options(cmd_restore, restore_command="report"),
+        help="participant journals against engine rows (default --output json)",
+        default_output="json",
     )
