@@ -20,7 +20,7 @@ services:
 	bash scripts/ensure-services.sh
 
 demo: install services
-	$(BIN)/custody demo
+	$(BIN)/custody demo run
 
 # The external tools tests run (check-jsonschema, promtool in .venv-tools), so that
 # `make test` passes on a fresh clone by itself; quick when already installed.
