@@ -44,6 +44,14 @@ def test_every_group_and_verb_has_help(capsys: pytest.CaptureFixture[str]) -> No
             assert f"Usage: custody {name} {verb}" in capsys.readouterr().out
 
 
+def test_the_top_level_help_offers_no_way_to_make_an_unknown_effect_succeed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert "succeed" not in top and "replay" not in top
+
+
 def test_a_noun_alone_shows_its_verbs_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["instances"]) == 2
     assert "Commands:" in capsys.readouterr().err

@@ -228,7 +228,8 @@ NOUNS: Final = {
     "config": "the effective settings",
     "contracts": "the wire contracts' JSON Schemas",
     "db": "the database schema",
-    "dead-letters": "the dead-letter queue: list, show, replay (broker user custody-operator)",
+    # (not the word "replay" at the top level: no command replays an operation)
+    "dead-letters": "the dead-letter queue: read it, send a letter back where it came from",
     "definitions": "process definitions",
     "demo": "the whole fleet and sample participants doing real work",
     "dispatch": "pause or resume effect dispatch",
