@@ -37,6 +37,7 @@ from workers.runtime import metrics
 from workers.settings import PREFIX, ROOT, Settings
 
 DEPLOY = ROOT / "deploy"
+BASELINE = ROOT / "migrations" / "0001_baseline.sql"
 OPERATORS = authz.load(DEPLOY / "operators.toml").operators
 DOCS = ROOT / "docs" / "deploy.md"
 K8S_BASE = DEPLOY / "k8s" / "base"
@@ -136,7 +137,9 @@ def test_dockerfile_final_stage_installs_nothing_and_finds_its_sql() -> None:
     assert all(c.startswith("--from=") for c in copies), copies
     builder = " ".join(_instructions(_stages()[0], "COPY"))
     for path in (
-        "schema.sql",
+        "migrations/",
+        "commands.sql",
+        "transitions.sql",
         "queries.sql",
         "participant_schema.sql",
         "participants/",
@@ -354,7 +357,10 @@ def test_migration_job_migrates_then_applies_the_topology() -> None:
     job = _by_kind("Job")["custody-migrate"]
     container = _container(job)
     script = " ".join(container["command"] + container["args"])
-    assert "custody db migrate --participants && custody topology apply" in script
+    # the status gate fails the Job if a migration is still pending, before any topology
+    assert (
+        "custody db migrate --participants && custody db status && custody topology apply" in script
+    )
     # a deployment's DBA creates the operator logins, with their own authentication
     assert "--create-logins" not in script
     env = {e["name"] for e in container["env"]}
@@ -450,6 +456,7 @@ def test_compose_runs_every_worker_type_after_a_one_off_migrate() -> None:
     script = " ".join(migrate["entrypoint"] + migrate["command"])
     for step in (
         "custody db migrate --participants",
+        "custody db status",
         "custody operators apply --create-logins",
         "custody topology apply",
         "custody broker dev-users",
@@ -554,36 +561,36 @@ def test_every_compose_worker_sets_every_url_it_uses(worker: str) -> None:
 
 
 def _worker_roles() -> set[str]:
-    """The LOGIN roles schema.sql creates (its "Least privilege" section)."""
-    text = (ROOT / "schema.sql").read_text()
+    """The LOGIN roles the baseline migration creates (its "Least privilege" section)."""
+    text = BASELINE.read_text()
     match = re.search(r"FOREACH r IN ARRAY ARRAY\[(.*?)\] LOOP", text, re.S)
-    assert match, "schema.sql no longer creates its roles in one FOREACH loop"
+    assert match, "the baseline no longer creates its roles in one FOREACH loop"
     assert "EXECUTE format('CREATE ROLE %I LOGIN', r)" in text[match.end() :]
     return set(re.findall(r"'([a-z_]+)'", match.group(1)))
 
 
 def _group_roles() -> dict[str, str]:
-    """The roles transitions.sql (and schema.sql's archive) create by name, with their
+    """The roles transitions.sql (and the baseline's archive) create by name, with their
     LOGIN or NOLOGIN."""
-    text = (ROOT / "transitions.sql").read_text() + (ROOT / "schema.sql").read_text()
+    text = (ROOT / "transitions.sql").read_text() + BASELINE.read_text()
     return dict(re.findall(r"CREATE ROLE ([a-z_]+) (LOGIN|NOLOGIN)\b", text))
 
 
 def _schema_roles() -> set[str]:
-    """Every role the migration's SQL (schema.sql, transitions.sql) creates."""
+    """Every role the migration's SQL (the baseline, transitions.sql) creates."""
     return _worker_roles() | set(_group_roles())
 
 
 def test_schema_sql_creates_one_role_per_engine_worker_and_transitions_sql_the_groups() -> None:
     assert _worker_roles() == {f"custody_{w}" for w in ENGINE}
     # the operators' group, the operator functions' owner and the archive's owner
-    # (schema.sql): nobody logs in as any of them
+    # (the baseline): nobody logs in as any of them
     assert _group_roles() == {
         "custody_operators": "NOLOGIN",
         "custody_definer": "NOLOGIN",
         "custody_archiver": "NOLOGIN",
     }
-    for sql in ("schema.sql", "commands.sql", "transitions.sql"):
+    for sql in ("migrations/0001_baseline.sql", "commands.sql", "transitions.sql"):
         text = (ROOT / sql).read_text()
         assert not re.search(r"CREATE ROLE\s+custody_operator\b", text), sql
 

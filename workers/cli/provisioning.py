@@ -6,13 +6,19 @@ from __future__ import annotations
 import argparse
 
 from workers import provision
-from workers.cli.common import EXIT_OK, Subparsers
+from workers.cli.common import EXIT_FAILED, EXIT_OK, Subparsers, emit
 from workers.settings import Settings
 
 
 async def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     await provision.migrate(settings, participants=args.participants)
     return EXIT_OK
+
+
+async def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    found = await provision.db_status(settings)
+    emit([m.as_dict() for m in found], args.json)
+    return EXIT_FAILED if any(m.state != "applied" for m in found) else EXIT_OK
 
 
 async def cmd_topology(settings: Settings, args: argparse.Namespace) -> int:
@@ -36,13 +42,24 @@ def register(sub: Subparsers) -> None:
     dbp = sub.add_parser("db", help="database schema").add_subparsers(
         dest="db_command", required=True
     )
-    m = dbp.add_parser("migrate", help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently")
+    m = dbp.add_parser(
+        "migrate",
+        help="apply the pending migrations and re-apply commands.sql, transitions.sql "
+        "(CUSTODY_DATABASE_URL, CUSTODY_SQL_DIR), under an advisory lock",
+    )
     m.add_argument(
         "--participants",
         action="store_true",
         help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)",
     )
     m.set_defaults(fn=cmd_migrate)
+    st = dbp.add_parser(
+        "status",
+        help="each migration: applied or pending (CUSTODY_DATABASE_URL); exit 1 if any "
+        "is pending or was changed after it was applied",
+    )
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
 
     top = sub.add_parser("topology", help="RabbitMQ topology").add_subparsers(
         dest="t", required=True
