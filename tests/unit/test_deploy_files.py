@@ -491,6 +491,27 @@ def test_compose_participants_connect_as_their_own_broker_user(name: str) -> Non
     assert password.group(1) == "custody-dev"
 
 
+def _enabled_plugins() -> set[str]:
+    """deploy/rabbitmq/enabled_plugins: one Erlang list term, ``[a,b].``"""
+    text = (DEPLOY / "rabbitmq" / "enabled_plugins").read_text().strip()
+    match = re.fullmatch(r"\[\s*([a-z_]+(?:\s*,\s*[a-z_]+)*)\s*\]\s*\.", text)
+    assert match, f"not an Erlang list term: {text!r}"
+    return {name.strip() for name in match.group(1).split(",")}
+
+
+def test_compose_rabbitmq_enables_the_shovel_plugins_the_move_messages_step_needs() -> None:
+    """Moving messages between queues (the runbook's step, docs/deploy.md) is a dynamic
+    shovel; the file the compose broker mounts enables it, and its management tab."""
+    rabbit = _compose()["services"]["rabbitmq"]
+    assert "./rabbitmq/enabled_plugins:/etc/rabbitmq/enabled_plugins:ro" in rabbit["volumes"]
+    assert {
+        "rabbitmq_management",
+        "rabbitmq_prometheus",
+        "rabbitmq_shovel",
+        "rabbitmq_shovel_management",
+    } <= _enabled_plugins()
+
+
 def test_compose_rabbitmq_enables_prometheus_and_prometheus_scrapes_everything() -> None:
     compose = _compose()
     rabbit = compose["services"]["rabbitmq"]
