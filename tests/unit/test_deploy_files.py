@@ -14,6 +14,7 @@ scripts/lint-deploy.sh.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shlex
@@ -27,6 +28,8 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client.metrics import MetricWrapperBase
 
 from workers import provision
@@ -165,6 +168,71 @@ def test_dockerignore_admits_everything_the_dockerfile_copies() -> None:
                 continue
             for source in copy.split()[:-1]:
                 assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+
+
+LOCK = DEPLOY / "requirements.lock"
+
+
+def _locked() -> dict[str, tuple[str, list[str]]]:
+    """deploy/requirements.lock: normalised name -> (pinned version, its hashes). A
+    requirement spans its continuation lines (``\\``); comments are ``# via`` notes."""
+    text = LOCK.read_text().replace("\\\n", " ")
+    pins: dict[str, tuple[str, list[str]]] = {}
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep, f"not pinned with ==: {line}"
+        hashes = [o.removeprefix("--hash=") for o in options if o.startswith("--hash=")]
+        assert len(hashes) == len(options), f"an option other than --hash: {line}"
+        pins[canonicalize_name(name)] = (version, hashes)
+    return pins
+
+
+def test_the_lock_pins_every_line_with_hashes() -> None:
+    pins = _locked()
+    assert pins
+    for name, (version, hashes) in pins.items():
+        assert version and hashes, f"{name} has no --hash (pip install --require-hashes refuses)"
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), name
+
+
+def test_the_lock_covers_every_runtime_dependency_of_pyproject() -> None:
+    """Every [project].dependencies entry, its extras' requirements (psycopg[binary] ->
+    psycopg-binary, read from the installed distribution's metadata) and the build
+    backend are pinned, at a version the specifier allows."""
+    pins = _locked()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [Requirement(r) for r in project["project"]["dependencies"]]
+    wanted += [Requirement(r) for r in project["build-system"]["requires"]]
+    for requirement in list(wanted):
+        for extra in requirement.extras:
+            for needed in importlib.metadata.requires(requirement.name) or []:
+                inner = Requirement(needed)
+                if inner.marker is not None and inner.marker.evaluate({"extra": extra}):
+                    wanted.append(inner)
+    for requirement in wanted:
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement} is not in {LOCK.name}: refresh it (README)"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (
+            f"{LOCK.name} pins {name}=={pins[name][0]}, pyproject.toml wants {requirement}"
+        )
+
+
+def test_dockerfile_installs_the_lock_with_hashes_then_the_package_without_deps() -> None:
+    builder = _stages()[0]
+    runs = _instructions(builder, "RUN")
+    locked = [i for i, r in enumerate(runs) if "--require-hashes" in r]
+    assert locked, "no pip install --require-hashes"
+    assert "-r deploy/requirements.lock" in runs[locked[0]]
+    assert "deploy/requirements.lock" in " ".join(_instructions(builder, "COPY"))
+    package = [i for i, r in enumerate(runs) if "--editable ." in r]
+    assert package and package[0] > locked[0]
+    # nothing else is fetched: no dependency resolution, no isolated build environment
+    assert "--no-deps" in runs[package[0]] and "--no-build-isolation" in runs[package[0]]
+    assert sum("pip install" in r for r in runs) == 2, runs
 
 
 # Kubernetes ------------------------------------------------------------------------
