@@ -174,12 +174,15 @@ def test_an_applied_migration_that_was_edited_is_refused(fresh: str, tmp_path: P
     where = _sql_dir(tmp_path, ("0002_note.sql", "ALTER TABLE custody.leases ADD note text;\n"))
     assert _cli(fresh, "migrate", sql_dir=where).returncode == 0
     (where / "migrations" / "0002_note.sql").write_text("-- edited\n")
+    (where / "migrations" / "0003_later.sql").write_text("CREATE TABLE custody.later (id int);\n")
 
     status = _cli(fresh, "status", sql_dir=where)
     assert status.returncode == 1 and "id=0002_note  state=modified" in status.stdout
     again = _cli(fresh, "migrate", sql_dir=where)
     assert again.returncode == 2
     assert again.stderr.startswith("custody: configuration error: migration 0002_note was changed")
+    # refused before anything ran: the pending 0003 was not applied
+    assert _rows(fresh, "SELECT to_regclass('custody.later')") == [(None,)]
 
 
 def test_the_status_of_an_empty_database_lists_every_migration_pending(fresh: str) -> None:

@@ -155,16 +155,17 @@ async def migrate(
                         await _record(conn, migrations[0], adopted=True)
                         adopted.append(BASELINE)
                 done = await _applied(conn)
+                # refused before anything runs: an edited history is not a pending change
                 for m in migrations:
-                    if m.id in done:
-                        if done[m.id][0] != m.checksum:
-                            raise errors.ConfigError(
-                                f"migration {m.id} was changed after it was applied "
-                                "(an applied migration is history: add a new one instead)"
-                            )
-                        continue
-                    await _apply(conn, m)
-                    applied_now.append(m.id)
+                    if m.id in done and done[m.id][0] != m.checksum:
+                        raise errors.ConfigError(
+                            f"migration {m.id} was changed after it was applied "
+                            "(an applied migration is history: add a new one instead)"
+                        )
+                for m in migrations:
+                    if m.id not in done:
+                        await _apply(conn, m)
+                        applied_now.append(m.id)
                 for name, text in scripts:
                     try:
                         async with conn.transaction():
