@@ -8,16 +8,35 @@ import asyncio
 from pathlib import Path
 
 from workers.core import authz, process
-from workers.io import broker, db
+from workers.io import broker, db, migrations
 from workers.settings import ROOT, Settings
 
+# beside queries.sql in the SQL directory (CUSTODY_SQL_DIR): versioned migrations, applied
+# once each, and the repeatable definitions (functions, views, grants) applied every time
+MIGRATIONS_DIR = "migrations"
+REPEATABLE = ("commands.sql", "transitions.sql")
 
-async def migrate(settings: Settings, *, participants: bool) -> None:
-    """Apply the engine schema (and each participant's, with ``participants``)."""
+
+async def db_status(settings: Settings) -> list[migrations.MigrationState]:
+    """Each engine migration, applied or pending (``custody db status``)."""
+    return await migrations.status(settings.database_url, db.SQL_DIR / MIGRATIONS_DIR)
+
+
+async def migrate(settings: Settings, *, participants: bool) -> list[str]:
+    """Apply the pending engine migrations and the repeatable definitions, then the
+    operators file (and each participant's schema, with ``participants``). Returns the
+    engine migrations this call applied (none: another migrator had, or nothing new)."""
     await db.ensure_database(settings.database_url)
-    for script in ("schema.sql", "commands.sql", "transitions.sql"):
-        await db.apply_script(settings.database_url, db.SQL_DIR / script)
-    print("engine schema applied")
+    applied, adopted = await migrations.migrate(
+        settings.database_url,
+        db.SQL_DIR / MIGRATIONS_DIR,
+        [db.SQL_DIR / script for script in REPEATABLE],
+    )
+    for name in adopted:
+        print(f"migration {name} adopted (its schema was already there)")
+    for name in applied:
+        print(f"migration {name} applied")
+    print(f"engine schema up to date; {', '.join(REPEATABLE)} re-applied")
     if await asyncio.to_thread(Path(settings.operators_file).exists):
         await sync_operators(settings, settings.operators_file, create_logins=False)
     if participants:
@@ -26,6 +45,7 @@ async def migrate(settings: Settings, *, participants: bool) -> None:
         for owner in sorted({r.owner for r in table.by_name.values()}):
             await migrate_participant(settings, owner)
             print(f"participant schema participant_{owner} applied")
+    return applied
 
 
 async def migrate_participant(settings: Settings, owner: str) -> None:

@@ -55,8 +55,8 @@ class Settings:
     routes_file: str = str(ROOT / "deploy" / "routes.toml")
     processes_dir: str = str(ROOT / "deploy" / "processes")
     operators_file: str = str(ROOT / "deploy" / "operators.toml")
-    # Where schema.sql, queries.sql, participant_schema.sql, participant_queries.sql, ...
-    # are (the image sets /app).
+    # Where migrations/, commands.sql, queries.sql, participant_schema.sql,
+    # participant_queries.sql, ... are (the image sets /app).
     sql_dir: str = str(ROOT)
     auto_reconcile_s: float = 0.0
     # Start-up switch: no submit leaves the outbox, whatever the database says. It

@@ -171,7 +171,15 @@ def test_rabbitmq_conf_uses_only_keys_rabbitmq_3_10_knows() -> None:
     unknown = [k for k in keys if not any(m.match(k) for m in mappings)]
     assert not unknown, f"rabbitmq.conf keys unknown to RabbitMQ 3.10: {unknown}"
     plugins = (ROOT / "deploy" / "rabbitmq" / "enabled_plugins").read_text().strip()
-    assert plugins == "[rabbitmq_management,rabbitmq_prometheus]."
+    assert plugins == (
+        "[rabbitmq_management,rabbitmq_prometheus,rabbitmq_shovel,rabbitmq_shovel_management]."
+    )
+    # each is a plugin this RabbitMQ ships (the compose image is the same 3.10 series)
+    shipped = {
+        p.name.rsplit("-", 1)[0]
+        for p in Path("/").glob("usr/lib/rabbitmq/lib/rabbitmq_server-*/plugins/*")
+    }
+    assert set(plugins.strip("[].").split(",")) <= shipped, shipped
 
 
 # (b) a real import into a fresh vhost ------------------------------------------------

@@ -49,7 +49,7 @@ async def test_workers_list_shows_every_lease_holder_with_its_last_heartbeat(
 async def test_the_renewed_at_column_is_added_to_an_existing_leases_table(env: Env) -> None:
     """A database of an earlier release gets the heartbeat column from the migration."""
     await env.sql("ALTER TABLE custody.leases DROP COLUMN renewed_at")
-    await db.apply_script(env.settings.database_url, ROOT / "schema.sql")
+    await db.apply_script(env.settings.database_url, ROOT / "migrations" / "0001_baseline.sql")
     assert (
         await env.scalar(
             "SELECT count(*) FROM information_schema.columns"

@@ -14,6 +14,7 @@ scripts/lint-deploy.sh.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shlex
@@ -27,6 +28,8 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client.metrics import MetricWrapperBase
 
 from workers import provision
@@ -37,6 +40,7 @@ from workers.runtime import metrics
 from workers.settings import PREFIX, ROOT, Settings
 
 DEPLOY = ROOT / "deploy"
+BASELINE = ROOT / "migrations" / "0001_baseline.sql"
 OPERATORS = authz.load(DEPLOY / "operators.toml").operators
 DOCS = ROOT / "docs" / "deploy.md"
 K8S_BASE = DEPLOY / "k8s" / "base"
@@ -136,7 +140,9 @@ def test_dockerfile_final_stage_installs_nothing_and_finds_its_sql() -> None:
     assert all(c.startswith("--from=") for c in copies), copies
     builder = " ".join(_instructions(_stages()[0], "COPY"))
     for path in (
-        "schema.sql",
+        "migrations/",
+        "commands.sql",
+        "transitions.sql",
         "queries.sql",
         "participant_schema.sql",
         "participants/",
@@ -162,6 +168,71 @@ def test_dockerignore_admits_everything_the_dockerfile_copies() -> None:
                 continue
             for source in copy.split()[:-1]:
                 assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+
+
+LOCK = DEPLOY / "requirements.lock"
+
+
+def _locked() -> dict[str, tuple[str, list[str]]]:
+    """deploy/requirements.lock: normalised name -> (pinned version, its hashes). A
+    requirement spans its continuation lines (``\\``); comments are ``# via`` notes."""
+    text = LOCK.read_text().replace("\\\n", " ")
+    pins: dict[str, tuple[str, list[str]]] = {}
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep, f"not pinned with ==: {line}"
+        hashes = [o.removeprefix("--hash=") for o in options if o.startswith("--hash=")]
+        assert len(hashes) == len(options), f"an option other than --hash: {line}"
+        pins[canonicalize_name(name)] = (version, hashes)
+    return pins
+
+
+def test_the_lock_pins_every_line_with_hashes() -> None:
+    pins = _locked()
+    assert pins
+    for name, (version, hashes) in pins.items():
+        assert version and hashes, f"{name} has no --hash (pip install --require-hashes refuses)"
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), name
+
+
+def test_the_lock_covers_every_runtime_dependency_of_pyproject() -> None:
+    """Every [project].dependencies entry, its extras' requirements (psycopg[binary] ->
+    psycopg-binary, read from the installed distribution's metadata) and the build
+    backend are pinned, at a version the specifier allows."""
+    pins = _locked()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [Requirement(r) for r in project["project"]["dependencies"]]
+    wanted += [Requirement(r) for r in project["build-system"]["requires"]]
+    for requirement in list(wanted):
+        for extra in requirement.extras:
+            for needed in importlib.metadata.requires(requirement.name) or []:
+                inner = Requirement(needed)
+                if inner.marker is not None and inner.marker.evaluate({"extra": extra}):
+                    wanted.append(inner)
+    for requirement in wanted:
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement} is not in {LOCK.name}: refresh it (README)"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (
+            f"{LOCK.name} pins {name}=={pins[name][0]}, pyproject.toml wants {requirement}"
+        )
+
+
+def test_dockerfile_installs_the_lock_with_hashes_then_the_package_without_deps() -> None:
+    builder = _stages()[0]
+    runs = _instructions(builder, "RUN")
+    locked = [i for i, r in enumerate(runs) if "--require-hashes" in r]
+    assert locked, "no pip install --require-hashes"
+    assert "-r deploy/requirements.lock" in runs[locked[0]]
+    assert "deploy/requirements.lock" in " ".join(_instructions(builder, "COPY"))
+    package = [i for i, r in enumerate(runs) if "--editable ." in r]
+    assert package and package[0] > locked[0]
+    # nothing else is fetched: no dependency resolution, no isolated build environment
+    assert "--no-deps" in runs[package[0]] and "--no-build-isolation" in runs[package[0]]
+    assert sum("pip install" in r for r in runs) == 2, runs
 
 
 # Kubernetes ------------------------------------------------------------------------
@@ -354,7 +425,10 @@ def test_migration_job_migrates_then_applies_the_topology() -> None:
     job = _by_kind("Job")["custody-migrate"]
     container = _container(job)
     script = " ".join(container["command"] + container["args"])
-    assert "custody db migrate --participants && custody topology apply" in script
+    # the status gate fails the Job if a migration is still pending, before any topology
+    assert (
+        "custody db migrate --participants && custody db status && custody topology apply" in script
+    )
     # a deployment's DBA creates the operator logins, with their own authentication
     assert "--create-logins" not in script
     env = {e["name"] for e in container["env"]}
@@ -450,6 +524,7 @@ def test_compose_runs_every_worker_type_after_a_one_off_migrate() -> None:
     script = " ".join(migrate["entrypoint"] + migrate["command"])
     for step in (
         "custody db migrate --participants",
+        "custody db status",
         "custody operators apply --create-logins",
         "custody topology apply",
         "custody broker dev-users",
@@ -482,6 +557,27 @@ def test_compose_participants_connect_as_their_own_broker_user(name: str) -> Non
     password = re.match(r"amqp://[^:]+:([^@]+)@", env["CUSTODY_AMQP_URL"])
     assert password is not None
     assert password.group(1) == "custody-dev"
+
+
+def _enabled_plugins() -> set[str]:
+    """deploy/rabbitmq/enabled_plugins: one Erlang list term, ``[a,b].``"""
+    text = (DEPLOY / "rabbitmq" / "enabled_plugins").read_text().strip()
+    match = re.fullmatch(r"\[\s*([a-z_]+(?:\s*,\s*[a-z_]+)*)\s*\]\s*\.", text)
+    assert match, f"not an Erlang list term: {text!r}"
+    return {name.strip() for name in match.group(1).split(",")}
+
+
+def test_compose_rabbitmq_enables_the_shovel_plugins_the_move_messages_step_needs() -> None:
+    """Moving messages between queues (the runbook's step, docs/deploy.md) is a dynamic
+    shovel; the file the compose broker mounts enables it, and its management tab."""
+    rabbit = _compose()["services"]["rabbitmq"]
+    assert "./rabbitmq/enabled_plugins:/etc/rabbitmq/enabled_plugins:ro" in rabbit["volumes"]
+    assert {
+        "rabbitmq_management",
+        "rabbitmq_prometheus",
+        "rabbitmq_shovel",
+        "rabbitmq_shovel_management",
+    } <= _enabled_plugins()
 
 
 def test_compose_rabbitmq_enables_prometheus_and_prometheus_scrapes_everything() -> None:
@@ -554,36 +650,36 @@ def test_every_compose_worker_sets_every_url_it_uses(worker: str) -> None:
 
 
 def _worker_roles() -> set[str]:
-    """The LOGIN roles schema.sql creates (its "Least privilege" section)."""
-    text = (ROOT / "schema.sql").read_text()
+    """The LOGIN roles the baseline migration creates (its "Least privilege" section)."""
+    text = BASELINE.read_text()
     match = re.search(r"FOREACH r IN ARRAY ARRAY\[(.*?)\] LOOP", text, re.S)
-    assert match, "schema.sql no longer creates its roles in one FOREACH loop"
+    assert match, "the baseline no longer creates its roles in one FOREACH loop"
     assert "EXECUTE format('CREATE ROLE %I LOGIN', r)" in text[match.end() :]
     return set(re.findall(r"'([a-z_]+)'", match.group(1)))
 
 
 def _group_roles() -> dict[str, str]:
-    """The roles transitions.sql (and schema.sql's archive) create by name, with their
+    """The roles transitions.sql (and the baseline's archive) create by name, with their
     LOGIN or NOLOGIN."""
-    text = (ROOT / "transitions.sql").read_text() + (ROOT / "schema.sql").read_text()
+    text = (ROOT / "transitions.sql").read_text() + BASELINE.read_text()
     return dict(re.findall(r"CREATE ROLE ([a-z_]+) (LOGIN|NOLOGIN)\b", text))
 
 
 def _schema_roles() -> set[str]:
-    """Every role the migration's SQL (schema.sql, transitions.sql) creates."""
+    """Every role the migration's SQL (the baseline, transitions.sql) creates."""
     return _worker_roles() | set(_group_roles())
 
 
 def test_schema_sql_creates_one_role_per_engine_worker_and_transitions_sql_the_groups() -> None:
     assert _worker_roles() == {f"custody_{w}" for w in ENGINE}
     # the operators' group, the operator functions' owner and the archive's owner
-    # (schema.sql): nobody logs in as any of them
+    # (the baseline): nobody logs in as any of them
     assert _group_roles() == {
         "custody_operators": "NOLOGIN",
         "custody_definer": "NOLOGIN",
         "custody_archiver": "NOLOGIN",
     }
-    for sql in ("schema.sql", "commands.sql", "transitions.sql"):
+    for sql in ("migrations/0001_baseline.sql", "commands.sql", "transitions.sql"):
         text = (ROOT / sql).read_text()
         assert not re.search(r"CREATE ROLE\s+custody_operator\b", text), sql
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 import click
 
 from workers import provision
-from workers.cli.common import EXIT_OK, Args, command, group
+from workers.cli.common import EXIT_FAILED, EXIT_OK, Args, command, emit, group
 from workers.settings import Settings
 
 
 async def cmd_migrate(settings: Settings, args: Args) -> int:
     await provision.migrate(settings, participants=args.participants)
     return EXIT_OK
+
+
+async def cmd_status(settings: Settings, args: Args) -> int:
+    found = await provision.db_status(settings)
+    emit([m.as_dict() for m in found], args.output)
+    return EXIT_FAILED if any(m.state != "applied" for m in found) else EXIT_OK
 
 
 async def cmd_topology(settings: Settings, args: Args) -> int:
@@ -34,12 +40,12 @@ async def cmd_dev_users(settings: Settings, args: Args) -> int:
 
 def register(root: click.Group) -> None:
     db = group(root, "db")
-    # one verb a line: ``db status`` (the migrations' state) is one more command() here
     command(
         db,
         "migrate",
         cmd_migrate,
-        help="apply schema.sql (CUSTODY_DATABASE_URL), idempotently",
+        help="apply the pending migrations and re-apply commands.sql, transitions.sql "
+        "(CUSTODY_DATABASE_URL, CUSTODY_SQL_DIR), under an advisory lock",
         emits=False,
         params=[
             click.option(
@@ -48,6 +54,13 @@ def register(root: click.Group) -> None:
                 help="also the sample participants' schemas (CUSTODY_PARTICIPANT_DATABASE_URL)",
             )
         ],
+    )
+    command(
+        db,
+        "status",
+        cmd_status,
+        help="each migration: applied or pending (CUSTODY_DATABASE_URL); exit 1 if any "
+        "is pending or was changed after it was applied",
     )
 
     command(

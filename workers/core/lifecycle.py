@@ -138,7 +138,7 @@ class InstanceEvent(enum.StrEnum):
 IS, IE = InstanceStatus, InstanceEvent
 # The instance lifecycle, as data like the operation's. Every instance status change the
 # engine writes goes through :func:`next_instance_status` over this table; the database
-# refuses any other change (schema.sql's trigger, over :data:`INSTANCE_TRANSITIONS`).
+# refuses any other change (the baseline migration's trigger, over :data:`INSTANCE_TRANSITIONS`).
 INSTANCE_TABLE: Final[dict[tuple[InstanceStatus, InstanceEvent], InstanceStatus]] = {
     (IS.RUNNING, IE.SUSPEND): IS.SUSPENDED,
     (IS.SUSPENDED, IE.RESUME): IS.RUNNING,

@@ -24,7 +24,7 @@ DEV_PASSWORD = "custody-dev"  # the broker users' password in the demo and the t
 
 
 def role_env(worker: str, name: str | None, env: Mapping[str, str]) -> dict[str, str]:
-    """Connect each worker as its own Postgres role (schema.sql grants) and its own
+    """Connect each worker as its own Postgres role (the baseline migration's grants) and its own
     broker user (``custody broker dev-users``), never as an administrator."""
     amqp = env.get("CUSTODY_AMQP_URL", Settings().amqp_url)
     if worker == "participant":

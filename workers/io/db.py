@@ -607,7 +607,10 @@ async def ensure_database(url: str) -> None:
         async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
             cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
             if await cur.fetchone() is None:
-                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                # two migrators at once: the loser sees one or the other error
+                with contextlib.suppress(
+                    psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation
+                ):
                     await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
     except psycopg.Error as exc:
         raise _translate(exc, during_commit=False) from exc

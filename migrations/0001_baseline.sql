@@ -1,6 +1,9 @@
--- custody engine schema. The truth: Python enums are tested against these types.
--- Applied by `custody db migrate` (idempotent, serialised by an advisory lock),
--- never as a side effect of a worker starting.
+-- Migration 0001, the baseline: the engine schema as schema.sql had it when versioned
+-- migrations came (it is still idempotent, as it was written then). With the migrations
+-- after it, the truth: Python enums are tested against these types. Applied once by
+-- `custody db migrate` (recorded in custody.schema_migrations, under an advisory lock),
+-- never as a side effect of a worker starting. Never edit an applied migration: add
+-- migrations/NNNN_name.sql (README, "Schema migrations").
 
 CREATE SCHEMA IF NOT EXISTS custody;
 
