@@ -94,6 +94,13 @@ def install(provider: TracerProvider | None) -> None:
     _tracer = provider.get_tracer("custody") if provider is not None else None
 
 
+def service_name() -> str | None:
+    """The ``service.name`` the spans are exported under (None: tracing is off)."""
+    if _provider is None:
+        return None
+    return str(_provider.resource.attributes.get("service.name"))
+
+
 def shutdown() -> None:
     """Export what is buffered and stop (at the end of the worker's life)."""
     provider = _provider
@@ -240,6 +247,7 @@ class Claimed:
         self.attributes: dict[str, Any] = {}
         self._parent: str | None = None
         self._began = 0
+        self._token: tracing.Continuing | None = None
 
     def set(self, **attributes: Any) -> None:
         self.attributes.update(attributes)
@@ -249,11 +257,15 @@ class Claimed:
 
     async def __aenter__(self) -> Claimed:
         self._began = time.time_ns()
+        # its span does not exist yet: rows continue the spans their work came with
+        self._token = tracing.continuing({})
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
     ) -> None:
+        if self._token is not None:
+            tracing.done_continuing(self._token)
         if not self.attributes or _tracer is None:
             return
         span = _tracer.start_span(
@@ -374,7 +386,7 @@ class Published:
 
 
 def publishing(
-    outgoing: Sequence[broker.Outgoing], worker: str
+    outgoing: Sequence[broker.Outgoing], outbox: str
 ) -> tuple[Sequence[broker.Outgoing], Published | None]:
     """A producer span per message, a child of the traceparent its outbox row stores;
     the message carries the span's context instead (the row keeps its own)."""
@@ -383,7 +395,7 @@ def publishing(
     sent, spans = [], {}
     for m in outgoing:
         attributes = _messaging("publish", m.exchange, m.routing_key, m.message_id)
-        attributes["custody.worker"] = worker
+        attributes["custody.outbox"] = outbox  # engine, or the participant's name
         span = _tracer.start_span(
             f"publish {m.exchange}",
             context=_parent(_header(m.headers)),
