@@ -144,9 +144,14 @@ def _parent(traceparent: str | None) -> Context | None:
     """The context a span continues: a valid W3C traceparent, else a new trace."""
     if not tracing.valid(traceparent):
         return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry import trace
 
-    return TraceContextTextMapPropagator().extract({"traceparent": traceparent or ""})
+    assert traceparent is not None
+    _, trace_id, span_id, flags = traceparent.split("-")
+    remote = trace.SpanContext(
+        int(trace_id, 16), int(span_id, 16), True, trace.TraceFlags(int(flags, 16))
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(remote))
 
 
 def _header(headers: Mapping[str, Any]) -> str | None:
