@@ -389,6 +389,10 @@ class Published:
             if span is not None:
                 end(span, None, "" if o.ok else o.error.split(":", 1)[0] or "not confirmed")
 
+    def failed(self, exc: BaseException) -> None:
+        for span in self.spans.values():
+            end(span, exc)
+
 
 def publishing(
     outgoing: Sequence[broker.Outgoing], outbox: str

@@ -85,7 +85,12 @@ class OutboxPublisher:
         if faults.enabled("after_publish_before_confirm"):
             await asyncio.sleep(0.05)
             faults.crash_point("after_publish_before_confirm")
-        outcomes = await sending
+        try:
+            outcomes = await sending
+        except BaseException as exc:
+            if spans is not None:
+                spans.failed(exc)
+            raise
         if faults.broken("mark_before_confirm"):  # chaos self-test only
             outcomes = [broker.Outcome(o.message_id, True) for o in outcomes]
         metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - started)
