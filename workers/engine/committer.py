@@ -292,7 +292,7 @@ class Committer:
             await _write_plans(tx, plans)
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
             await tx.run("successor_done", {"ids": done})
-            if span.recording and isinstance(span, otel.Claimed):
+            if isinstance(span, otel.Claimed):
                 span.parent(intents[0]["traceparent"])
                 _traced(span, plans, [])
         metrics.transitions("successor", len(done))

@@ -666,7 +666,7 @@ class Participant:
                     if r.owner_revision > 1
                 ],
             )
-            if span.recording and receipts and isinstance(span, otel.Claimed):
+            if receipts and isinstance(span, otel.Claimed):
                 span.parent(receipts[0][1])
                 span.set(
                     operation_id=[r.operation_id for r, _ in receipts],
@@ -701,11 +701,12 @@ class Participant:
         )
         try:
             with traced:
-                traced.set(
-                    operation_id=row["operation_id"],
-                    request_id=row["request_id"],
-                    attempt=row["attempt"],
-                )
+                if traced.recording:
+                    traced.set(
+                        operation_id=row["operation_id"],
+                        request_id=row["request_id"],
+                        attempt=row["attempt"],
+                    )
                 async with tx.savepoint():
                     result = await handler(call)
                     faults.crash_point("mid_effect")
