@@ -200,12 +200,14 @@ def test_the_lock_pins_every_line_with_hashes() -> None:
 
 
 def test_the_lock_covers_every_runtime_dependency_of_pyproject() -> None:
-    """Every [project].dependencies entry, its extras' requirements (psycopg[binary] ->
+    """Every [project].dependencies entry, the ``otel`` extra the image installs (tracing
+    is one environment variable away), their extras' requirements (psycopg[binary] ->
     psycopg-binary, read from the installed distribution's metadata) and the build
     backend are pinned, at a version the specifier allows."""
     pins = _locked()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wanted = [Requirement(r) for r in project["project"]["dependencies"]]
+    wanted += [Requirement(r) for r in project["project"]["optional-dependencies"]["otel"]]
     wanted += [Requirement(r) for r in project["build-system"]["requires"]]
     for requirement in list(wanted):
         for extra in requirement.extras:

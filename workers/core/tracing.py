@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Mapping
+from contextvars import ContextVar, Token
 from typing import Any
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -24,9 +25,37 @@ def from_headers(headers: Mapping[str, Any]) -> str:
     return new_traceparent()
 
 
+# Set only while a tracer is on (workers.runtime.otel): then a row continues a span that
+# was really exported, never a span id of its own that no trace backend has seen. The
+# mapping sends a span to the one that continues it here (a consume span to the
+# transaction span under it); any other span is continued as it is. Unset, as when
+# tracing is off, every row gets a new span id, as it always did.
+_SPANS: ContextVar[Mapping[str, str] | None] = ContextVar("custody_trace_spans", default=None)
+Continuing = Token[Mapping[str, str] | None]
+
+
 def child(traceparent: str | None) -> str:
-    """A new span in the same trace (a new trace if there is none)."""
+    """A new span in the same trace (a new trace if there is none); while a tracer is
+    on, the real span that continues ``traceparent``."""
     match = _TRACEPARENT.match(traceparent or "")
     if not match:
         return new_traceparent()
+    spans = _SPANS.get()
+    if spans is not None:
+        return spans.get(match.group(0), match.group(0))
     return f"00-{match.group(1)}-{secrets.token_hex(8)}-{match.group(3)}"
+
+
+def continuing(spans: Mapping[str, str]) -> Continuing:
+    """Rows written from now on (in this context) continue real spans (see ``child``)."""
+    outer = _SPANS.get()
+    return _SPANS.set({**outer, **spans} if outer else dict(spans))
+
+
+def done_continuing(token: Continuing) -> None:
+    _SPANS.reset(token)
+
+
+def valid(traceparent: str | None) -> bool:
+    match = _TRACEPARENT.match(traceparent or "")
+    return match is not None and match.group(1) != "0" * 32

@@ -19,7 +19,7 @@ from workers.core import activation, lifecycle, process, records, routes, tracin
 from workers.core.reasons import Reason
 from workers.engine import context, transitions
 from workers.io import broker, db
-from workers.runtime import consume, faults, logs, metrics, probes, supervisor
+from workers.runtime import consume, faults, logs, metrics, otel, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "committer"
@@ -98,7 +98,10 @@ class Committer:
         """One transaction for a run of start requests; the caller acks after it."""
         if not valid and not quarantine:
             return
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.transaction("starts", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             keys = {
                 "tenant": [s.tenant for _, s in valid],
                 "start_request_id": [s.start_request_id for _, s in valid],
@@ -136,7 +139,9 @@ class Committer:
                             _quarantine_row(d, conflict.reason, conflict.detail, start.tenant)
                         )
                     continue
-                traceparent = tracing.from_headers(d.headers)
+                # tracing on: the delivery's consume span, so that the instance's
+                # successors continue a span that was exported
+                traceparent = otel.delivery_context(d) or tracing.from_headers(d.headers)
                 decided = activation.plan_start(
                     start,
                     instance_id=iid,
@@ -184,6 +189,8 @@ class Committer:
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in started])
             await _write_plans(tx, plans)
             await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
+            if span.recording:
+                _traced(span, plans, [d.message_id for d, _ in valid])
             faults.crash_point("before_commit")
         metrics.transitions("start", len(plans))
         for q in quarantine:
@@ -196,7 +203,10 @@ class Committer:
         one its new work commits under. One instance that cannot be activated (its
         pinned version is not loaded, its data or definition does not fit the
         contracts) is suspended or failed with the reason; the others go on."""
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.claimed("successors", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             intents = await tx.rows("successor_claim", {"limit": self.settings.batch_size})
             if not intents:
                 return 0
@@ -282,6 +292,9 @@ class Committer:
             await _write_plans(tx, plans)
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
             await tx.run("successor_done", {"ids": done})
+            if isinstance(span, otel.Claimed):
+                span.parent(intents[0]["traceparent"])
+                _traced(span, plans, [])
         metrics.transitions("successor", len(done))
         return len(intents)
 
@@ -330,6 +343,14 @@ class Committer:
                     pinned=route.binding,
                     current=current.binding if current else None,
                 )
+
+
+def _traced(span: otel.Traced, plans: Sequence[activation.Plan], ids: Any) -> None:
+    span.set(
+        operation_id=[p.operation.id for p in plans],
+        instance_id=[p.instance_id for p in plans],
+        message_id=ids,
+    )
 
 
 def _history(instance_id: Any, event: str, **detail: Any) -> records.History:

@@ -22,7 +22,7 @@ from workers.core import lifecycle, process, records, validation
 from workers.core.reasons import Reason
 from workers.engine import context
 from workers.io import broker, db
-from workers.runtime import consume, faults, logs, metrics, probes, supervisor
+from workers.runtime import consume, faults, logs, metrics, otel, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "receipts"
@@ -81,7 +81,10 @@ class ReceiptConsumer:
                 w.quarantine.append(_quarantine(d, Reason(exc.reason), exc.detail))
                 w.verdicts.append("quarantine")
                 verdict_of[i] = "quarantine"
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.transaction("receipts", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             op_ids = list({m.operation_id for _, _, m in decoded})
             rows = {
                 r.id: r
@@ -115,6 +118,13 @@ class ReceiptConsumer:
             for i, d, message in decoded:
                 verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
             await _write(tx, w)
+            if span.recording:
+                span.set(
+                    operation_id=op_ids,
+                    instance_id=[r.instance_id for r in rows.values()],
+                    message_id=[d.message_id for d in deliveries],
+                    verdict=w.verdicts,
+                )
         faults.crash_point("receipts_after_commit_before_ack")
         for q in w.quarantine:
             metrics.quarantined(q.source, q.reason)

@@ -16,7 +16,7 @@ from workers import errors
 from workers.core import horizon, lifecycle, records
 from workers.engine import context, retention, transitions
 from workers.io import db
-from workers.runtime import faults, logs, metrics, probes, supervisor
+from workers.runtime import faults, logs, metrics, otel, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "reconciler"
@@ -35,16 +35,24 @@ class Reconciler:
     async def resend_cancels(self) -> int:
         """Cancels left unanswered past their deadline are asked again (the operation
         stays cancelling: silence is neither an answer nor a cancellation)."""
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.claimed("cancels", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             row = await tx.one(
                 "t_resend_cancels", {"actor": ACTOR, "limit": self.settings.batch_size}
             )
+            if row and row["n"]:
+                span.set(resent=int(row["n"]))
         return int(row["n"]) if row else 0
 
     async def sweep_queries(self) -> int:
         """Reconcile queries left unanswered past the deadline go back to
         outcome_unknown: silence is not an answer."""
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.claimed("queries", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             rows = await tx.rows("queries_overdue", {"limit": self.settings.batch_size})
             for row in rows:
                 target = lifecycle.next_status(
@@ -68,6 +76,11 @@ class Reconciler:
                         detail={"from": row["status"], "cause": "query unanswered"},
                         actor=ACTOR,
                     ).params(db.jsonb),
+                )
+            if span.recording and rows:
+                span.set(
+                    operation_id=[r["id"] for r in rows],
+                    instance_id=[r["instance_id"] for r in rows],
                 )
         return len(rows)
 
@@ -100,7 +113,10 @@ class Reconciler:
 
     async def sweep_deadlines(self) -> int:
         """One batch of overdue operations to ``outcome_unknown``, in one transaction."""
-        async with self.db.transaction(self.lease) as tx:
+        async with (
+            otel.claimed("deadlines", ACTOR) as span,
+            self.db.transaction(self.lease) as tx,
+        ):
             rows = await tx.rows("operations_overdue", {"limit": self.settings.batch_size})
             if rows:
                 await faults.point("deadlines_claimed")
@@ -126,6 +142,11 @@ class Reconciler:
             suspend = [records.InstanceChange(r["instance_id"], IE.SUSPEND) for r in rows]
             await tx.run_many(records.INSTANCE_QUERIES[IE.SUSPEND], [c.params() for c in suspend])
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
+            if span.recording and rows:
+                span.set(
+                    operation_id=[r["id"] for r in rows],
+                    instance_id=[r["instance_id"] for r in rows],
+                )
         metrics.transitions("deadline", len(rows))
         return len(rows)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import db
+from workers.runtime import otel
 
 POLICY = "policy"
 RETRIES = 3  # redos of a command that lost a deadlock to a worker
@@ -64,8 +65,13 @@ class Operator:
         args = params if actor is None else {"actor": actor, **params}
         for attempt in range(RETRIES + 1):
             try:
-                async with self.db.transaction(self.lease) as tx:
+                async with (
+                    otel.transaction(command, actor or "operator") as span,
+                    self.db.transaction(self.lease) as tx,
+                ):
                     row = await tx.one(name, args)
+                    if span.recording and row is not None:
+                        span.set(operation_id=params.get("target"), result=row["outcome"]["result"])
                 assert row is not None
                 return Outcome.from_json(row["outcome"])
             except errors.DatabaseError as exc:

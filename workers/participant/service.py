@@ -47,7 +47,7 @@ from workers.core.reasons import Reason
 from workers.errors import BusinessFailure as BusinessFailure  # under the custody root
 from workers.io import broker, db
 from workers.participant import retention
-from workers.runtime import consume, faults, logs, metrics, outbox, probes, supervisor
+from workers.runtime import consume, faults, logs, metrics, otel, outbox, probes, supervisor
 from workers.settings import Settings
 
 AckPolicy = "ack after the acceptance commit; refused commands are recorded and acked"
@@ -170,7 +170,11 @@ class Participant:
         queries: list[QueryCommand] = []
         conflict_answers: list[OperationReceipt] = []  # not journaled: not about our work
         cancels: list[tuple[broker.Delivery, CancelCommand]] = []
-        async with self.db.transaction() as tx:
+        worker = names.participant_worker(self.me.owner)
+        async with (
+            otel.transaction("acceptance", worker) as span,
+            self.db.transaction() as tx,
+        ):
             commands: list[tuple[broker.Delivery, acceptance.Command | None]] = []
             for d in deliveries:
                 try:
@@ -181,7 +185,12 @@ class Participant:
                 except codec.DecodeError as exc:
                     refused.append(_refused(d, Reason(exc.reason), exc.detail))
                     commands.append((d, None))
-            trace = {c.request_id: tracing.from_headers(d.headers) for d, c in commands if c}
+            # tracing on: each delivery's consume span, whatever its message carried
+            trace: dict[str, str | None] = {
+                c.request_id: otel.delivery_context(d) or tracing.from_headers(d.headers)
+                for d, c in commands
+                if c
+            }
             checked = [(d, c, None if c is None else self._refusal(c)) for d, c in commands]
             ids = list({c.request_id for _, c, _ in checked if isinstance(c, SubmitCommand)})
             tombstoned = {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
@@ -301,6 +310,12 @@ class Participant:
             await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
             await tx.run_many("p_refused_insert", [r.params() for r in refused])
+            if span.recording:
+                span.set(
+                    operation_id=[c.operation_id for _, c in commands if c],
+                    message_id=[d.message_id for d in deliveries],
+                    decision=[d.value for d in decisions],
+                )
         if done:
             faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
@@ -315,14 +330,15 @@ class Participant:
         tx: db.Tx,
         fresh: Sequence[tuple[SubmitCommand, str, str]],
         receipts: Sequence[OperationReceipt],
-        trace: Mapping[str, str | None],
+        trace: dict[str, str | None],
     ) -> tuple[list[OperationReceipt], set[str]]:
         """Run the handlers of the batch's new commands whose operations are ``inline``,
         in this acceptance transaction (each in a savepoint), so that acceptance, effect
         and terminal receipt commit together before the ack. Returns the terminal
         receipts and the ids of the ``accepted`` receipts they overtake (journaled, not
         sent). A command cancelled in this batch does not run; one whose handler failed
-        with a bug or hit a transient conflict stays accepted for the executor."""
+        with a bug or hit a transient conflict stays accepted for the executor. A
+        terminal receipt continues its handler's span in ``trace``."""
         if not self.inline:
             return [], set()
         cancelled = {r.request_id for r in receipts if r.status == "cancelled"}
@@ -344,11 +360,12 @@ class Participant:
                 "traceparent": trace.get(c.request_id),
             }
             try:
-                receipt = await self._run_one(tx, row)
+                receipt, traceparent = await self._run_one(tx, row)
             except _Conflict:
                 continue  # the executor runs it again (its row is accepted, unclaimed)
             if receipt is not None:
                 done.append(receipt)
+                trace[c.request_id] = traceparent
         await _complete(tx, done)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
@@ -615,7 +632,10 @@ class Participant:
         done = 0
         conflicted = False
         loop = asyncio.get_running_loop()
-        async with self.db.transaction() as tx:
+        async with (
+            otel.claimed("completion", names.participant_worker(self.me.owner)) as span,
+            self.db.transaction() as tx,
+        ):
             began = loop.time()
             for request_id in request_ids:
                 row = await tx.one(
@@ -623,12 +643,12 @@ class Participant:
                 )
                 if row is not None:  # else settled meanwhile (a cancel won), or not ours
                     try:
-                        receipt = await self._run_one(tx, row)
+                        receipt, traceparent = await self._run_one(tx, row)
                     except _Conflict:
                         conflicted = True
                         break
                     if receipt is not None:
-                        receipts.append((receipt, row["traceparent"]))
+                        receipts.append((receipt, traceparent))
                 done += 1
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
@@ -646,11 +666,22 @@ class Participant:
                     if r.owner_revision > 1
                 ],
             )
+            if receipts and isinstance(span, otel.Claimed):
+                span.parent(receipts[0][1])
+                span.set(
+                    operation_id=[r.operation_id for r, _ in receipts],
+                    request_id=[r.request_id for r, _ in receipts],
+                    status=[r.status for r, _ in receipts],
+                )
         if receipts:
             faults.crash_point("after_effect_before_receipt_sent")
         return done, conflicted
 
-    async def _run_one(self, tx: db.Tx, row: dict[str, Any]) -> OperationReceipt | None:
+    async def _run_one(
+        self, tx: db.Tx, row: dict[str, Any]
+    ) -> tuple[OperationReceipt | None, str | None]:
+        """The handler's receipt (None: deferred) and the trace context it continues
+        (the handler's span when tracing is on, else the command's)."""
         command = row["command"]
         call = Call(
             tx=tx,
@@ -665,10 +696,20 @@ class Participant:
         revision = int(row["owner_revision"]) + 1
         result: Mapping[str, Any] | None = None
         failure: Exception | None = None
+        traced = otel.handler(
+            row["operation"], row["traceparent"], names.participant_worker(self.me.owner)
+        )
         try:
-            async with tx.savepoint():
-                result = await handler(call)
-                faults.crash_point("mid_effect")
+            with traced:
+                if traced.recording:
+                    traced.set(
+                        operation_id=row["operation_id"],
+                        request_id=row["request_id"],
+                        attempt=row["attempt"],
+                    )
+                async with tx.savepoint():
+                    result = await handler(call)
+                    faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
             if db.transient(exc):
                 logs.event(
@@ -690,11 +731,11 @@ class Participant:
                 error=repr(failure)[:300],
             )
             await tx.run("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
-            return None
+            return None, None
         status, effect, result, error = done.status, done.effect, done.result, done.error
         # the inbox row is completed with the batch's other ones (_complete), from this
         # receipt, in the same transaction: its lock is held until then
-        return make_receipt(
+        receipt = make_receipt(
             row,
             self.me,
             status=status,
@@ -705,6 +746,7 @@ class Participant:
             result=result,
             error=error,
         )
+        return receipt, traced.traceparent or row["traceparent"]
 
 
 async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:

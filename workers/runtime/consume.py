@@ -17,7 +17,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import broker
-from workers.runtime import batching, faults, logs, metrics, supervisor
+from workers.runtime import batching, faults, logs, metrics, otel, supervisor
 from workers.settings import Settings
 
 Handle = Callable[[Sequence[broker.Delivery]], Awaitable[Any]]
@@ -62,15 +62,16 @@ async def run(
                     if faults.broken("ack_before_commit"):  # chaos self-test only
                         for d in batch:
                             await d.ack()
-                    await process(
-                        batch,
-                        worker=worker,
-                        stop=stop,
-                        handle=handle,
-                        on_fenced=on_fenced,
-                        dead=dead,
-                    )
-                    await broker.ack_all(batch)  # a dead-lettered one is settled already
+                    with otel.consuming(worker, batch):  # a span per delivery, if on
+                        await process(
+                            batch,
+                            worker=worker,
+                            stop=stop,
+                            handle=handle,
+                            on_fenced=on_fenced,
+                            dead=dead,
+                        )
+                        await broker.ack_all(batch)  # a dead-lettered one is settled already
                     after_commit()
             return
         except errors.BrokerError as exc:

@@ -20,7 +20,7 @@ from workers import errors
 from workers.core.records import History
 from workers.errors import backoff_seconds
 from workers.io import broker, db
-from workers.runtime import faults, logs, metrics, supervisor
+from workers.runtime import faults, logs, metrics, otel, supervisor
 
 ACTOR = "publisher"  # the actor of the history rows its confirm marks write
 
@@ -72,21 +72,30 @@ class OutboxPublisher:
         rows = await self.claim()
         if not rows:
             return 0
-        outgoing = [
+        outgoing: Sequence[broker.Outgoing] = [
             broker.Outgoing(
                 str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]), r["headers"] or {}
             )
             for r in rows
         ]
+        # a producer span per row, if tracing is on: the wire carries its context
+        outgoing, spans = otel.publishing(outgoing, self.owner)
         started = time.monotonic()
         sending = asyncio.ensure_future(self.publisher.publish_many(outgoing))
         if faults.enabled("after_publish_before_confirm"):
             await asyncio.sleep(0.05)
             faults.crash_point("after_publish_before_confirm")
-        outcomes = await sending
+        try:
+            outcomes = await sending
+        except BaseException as exc:
+            if spans is not None:
+                spans.failed(exc)
+            raise
         if faults.broken("mark_before_confirm"):  # chaos self-test only
             outcomes = [broker.Outcome(o.message_id, True) for o in outcomes]
         metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - started)
+        if spans is not None:
+            spans.settled(outcomes)
         faults.crash_point("after_confirm_before_mark")
         try:
             await self.mark(rows, outcomes, epoch)

@@ -26,6 +26,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import startup
+from workers.runtime import otel
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -53,6 +54,7 @@ WorkerMain = Callable[[Stop, Health], Coroutine[Any, Any, None]]
 
 async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: float) -> int:
     """Run one worker until SIGTERM/SIGINT; returns the process exit code."""
+    tracing = otel.configure(name)  # raises before anything starts if it cannot
     stop = Stop(grace_s)
     health = Health()
     patience = startup.Patience(wait=True, report=event, waiting=health.waiting)
@@ -60,7 +62,7 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
     server = await serve(metrics_port, health) if metrics_port else None
-    event("worker.started", worker=name, metrics_port=metrics_port)
+    event("worker.started", worker=name, metrics_port=metrics_port, tracing=tracing)
     started = time.monotonic()
     with startup.patient(patience):  # the worker's task (and its tasks) wait at start-up
         task = asyncio.create_task(main(stop, health), name=name)
@@ -86,6 +88,8 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
         stopper.cancel()
         if server is not None:
             server.close()
+        if tracing:  # the spans still buffered are exported before the process ends
+            await asyncio.to_thread(otel.shutdown)
     event(
         "worker.stopped", worker=name, exit_code=code, uptime_s=round(time.monotonic() - started, 3)
     )
