@@ -227,3 +227,43 @@ async def test_readyz_turns_503_as_soon_as_a_drain_starts_and_healthz_stays_200(
         assert "worker.stopped" not in s.proc.log.read_text(), "the drain ended too early"
         await lock.rollback()  # the claim goes on; the drain ends
     assert await sigterm(crew, s.proc) == 0, tail(s.proc)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("worker", "service"),
+    [("publisher", "database"), ("receipts", "broker"), ("inventory", "broker")],
+)
+async def test_a_worker_stopped_during_an_outage_exits_0_without_waiting_out_the_grace(
+    env: Env, crew: Crew, worker: str, service: str
+) -> None:
+    """SIGTERM while the worker's Postgres or RabbitMQ is unreachable: there is nothing
+    it can finish (no commit, no ack), so it gives up the unit it is redoing and its
+    lease hand-back (bounded; the lease expires by its TTL) and exits 0 at once, instead
+    of holding a terminating pod for the whole drain grace and exiting 3."""
+    if service == "database":
+        url = env.settings.database_url
+        proxy = Proxy(pg_port(url))
+        async with proxy:
+            s = start(crew, worker, CUSTODY_DATABASE_URL=pg_proxied_url(url, proxy.port))
+            await wait_ready(crew, [s])
+            proxy.cut()
+            await poll(
+                lambda: _is(s, "/readyz", 503), timeout=20, what="/readyz 503", alive=[s.proc]
+            )
+            code = await sigterm(crew, s.proc, timeout=8)
+    else:
+        url = env.participant_amqp(worker) if worker in PARTICIPANTS else env.settings.amqp_url
+        async with Proxy(amqp_port(url)) as proxy:
+            s = start(crew, worker, CUSTODY_AMQP_URL=proxy.amqp_url(url))
+            await wait_ready(crew, [s])
+            proxy.cut()
+            await poll(
+                lambda: _is(s, "/readyz", 503), timeout=20, what="/readyz 503", alive=[s.proc]
+            )
+            code = await sigterm(crew, s.proc, timeout=8)
+    assert code == 0, tail(s.proc)
+
+
+async def _is(s, path: str, status: int) -> bool:
+    return await status_of(s, path) == status

@@ -64,6 +64,8 @@ EXCHANGE_DEAD: Final = "custody.dead"
 QUEUE_RECEIPTS: Final = "custody.receipts"
 QUEUE_REQUESTS: Final = "custody.requests"
 QUEUE_DEAD: Final = "custody.dead-letters"
+# how long a consumer's exit may spend cancelling its consumers and closing its channel
+CLEANUP_TIMEOUT_S: Final = 5.0
 RECEIPTS_KEY: Final = "receipts"
 START_KEY: Final = "start"
 CANCEL_KEY: Final = "cancel"
@@ -578,12 +580,20 @@ class Broker:
             await inbox.put(delivery)
 
         async def cleanup() -> None:
-            for queue, tag in tags:
-                with contextlib.suppress(Exception):
-                    await queue.cancel(tag)
-            if channel is not None:
-                with contextlib.suppress(Exception):
-                    await channel.close()
+            # With the broker gone, the consumers and the channel went with the
+            # connection: nothing to cancel, and a robust channel's cancel would wait
+            # for a reconnect (a worker stopped during an outage would hold its drain
+            # for the whole grace). Bounded either way: the connection's close ends all.
+            if not self.connected:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLEANUP_TIMEOUT_S):
+                    for queue, tag in tags:
+                        with contextlib.suppress(Exception):
+                            await queue.cancel(tag)
+                    if channel is not None:
+                        with contextlib.suppress(Exception):
+                            await channel.close()
 
         try:
             channel = await self._connection().channel()

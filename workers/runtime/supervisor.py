@@ -79,8 +79,14 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
                 code = 3
         if task.done() and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            event("worker.crashed", logging.ERROR, worker=name, error=repr(exc))
-            code = 2 if isinstance(exc, errors.CustodyError) else 1
+            if stop.requested and _transient(exc):
+                # stopped while Postgres or RabbitMQ was down: the unit being redone was
+                # given up (nothing acked, nothing committed; it is redone elsewhere),
+                # which is a drain, not a crash
+                event("worker.drain_gave_up", logging.WARNING, worker=name, error=repr(exc))
+            else:
+                event("worker.crashed", logging.ERROR, worker=name, error=repr(exc))
+                code = 2 if isinstance(exc, errors.CustodyError) else 1
         elif not stop.requested:
             event("worker.exited_unexpectedly", logging.ERROR, worker=name)
             code = 1
@@ -94,6 +100,14 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
         "worker.stopped", worker=name, exit_code=code, uptime_s=round(time.monotonic() - started, 3)
     )
     return code
+
+
+def _transient(exc: BaseException) -> bool:
+    """A database or broker failure that a redo would wait out (not a bad deployment)."""
+    return isinstance(exc, (errors.DatabaseError, errors.BrokerError)) and exc.kind not in (
+        errors.Retry.FATAL,
+        errors.Retry.BROKEN,
+    )
 
 
 async def _drain(
@@ -199,13 +213,23 @@ async def redo(
     as long as it lasts — never turned into a crash loop that would spend the
     deliveries' redelivery budget; only a stop request ends the wait. Anything not
     transient is raised at once.
+
+    A stop request also ends a redo *in progress*: once the unit has failed on a
+    transient error, its next attempt (waiting, say, for a pool connection to a
+    database that is still down) is cancelled when the drain starts, and the failure
+    raised. Nothing is lost: the attempt's transaction rolls back, its deliveries were
+    not acked, and the unit is idempotent when it is redone elsewhere. The first attempt
+    is never cut: in-flight work drains within the grace period.
     """
     from workers.runtime import metrics
 
     attempt = changed = 0
+    failure: BaseException | None = None
     while True:
         try:
-            return await unit()
+            if failure is None:
+                return await unit()
+            return await _unless_stopped(unit, stop, failure)
         except errors.Fenced as exc:
             # a consequence of the lease loss, which on_fenced's keeper counts (once,
             # however many units it fenced): custody_lease_losses_total
@@ -231,4 +255,23 @@ async def redo(
             )
             if await stop.sleep(errors.backoff_seconds(attempt)):
                 raise
+            failure = exc
         attempt += 1
+
+
+async def _unless_stopped(
+    unit: Callable[[], Awaitable[Any]], stop: Stop, failure: BaseException
+) -> Any:
+    """``unit()``, unless stop is requested first: then it is cancelled and the last
+    transient ``failure`` raised (the worker is draining; the unit is redone later)."""
+    task = asyncio.ensure_future(unit())
+    stopping = asyncio.ensure_future(stop.event.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+        raise failure
+    return task.result()
