@@ -17,7 +17,7 @@ from workers.settings import Settings
 
 
 async def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
-    logs.setup_logging(settings.log_format)
+    logs.setup_logging(settings.log_format, logs.level_of(settings.log_level))
     faults.arm()  # an unknown fault name stops the worker before it takes work
     if args.worker == "participant":
         return await run_participant(settings, args.name)
