@@ -30,3 +30,18 @@ def child(traceparent: str | None) -> str:
     if not match:
         return new_traceparent()
     return f"00-{match.group(1)}-{secrets.token_hex(8)}-{match.group(3)}"
+
+
+def trace_id(traceparent: object) -> str | None:
+    """The 32-hex trace id of a traceparent (a str or the bytes of a header), or None."""
+    if isinstance(traceparent, bytes):
+        traceparent = traceparent.decode("ascii", "replace")
+    if not isinstance(traceparent, str):
+        return None
+    match = _TRACEPARENT.match(traceparent)
+    return match.group(1) if match else None
+
+
+def trace_id_of(headers: Mapping[str, Any]) -> str | None:
+    """The trace id a message's headers carry, or None (never a new one)."""
+    return trace_id(headers.get("traceparent"))

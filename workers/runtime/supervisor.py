@@ -26,6 +26,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import startup
+from workers.runtime import logs
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -62,7 +63,9 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     server = await serve(metrics_port, health) if metrics_port else None
     event("worker.started", worker=name, metrics_port=metrics_port)
     started = time.monotonic()
-    with startup.patient(patience):  # the worker's task (and its tasks) wait at start-up
+    # the worker's task (and its tasks) wait at start-up, and every line they log
+    # carries the worker's name
+    with startup.patient(patience), logs.bound(worker=name):
         task = asyncio.create_task(main(stop, health), name=name)
     stopper = asyncio.create_task(stop.event.wait())
     code = 0
