@@ -41,6 +41,7 @@ OTHER_VARIABLES = frozenset(
 )
 OTHER_PREFIXES = (PREFIX + "TEST_",)
 ROOT = Path(__file__).resolve().parent.parent
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Settings:
     # git checkout's HEAD if there is one, else "unknown").
     git_revision: str = ""
     log_format: str = "json"
+    # debug: also one ``unit.done`` line per unit of work (its ids, outcome, duration)
+    log_level: str = "info"
     # SIGTERM: stop claiming, then drain in-flight work this long (keep it below the
     # platform's grace period: terminationGracePeriodSeconds 30, stop_grace_period 30s)
     drain_grace_s: float = 20.0
@@ -149,6 +152,8 @@ class Settings:
             )
         if self.log_format not in ("json", "text"):
             raise ConfigError(f"{PREFIX}LOG_FORMAT must be json or text")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"{PREFIX}LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
 
     def redacted(self) -> dict[str, Any]:
         """The settings with every password replaced, for ``custody config show``."""

@@ -30,7 +30,7 @@ from workers.settings import Settings
 
 
 async def cmd_run(settings: Settings, args: Args) -> int:
-    logs.setup_logging(settings.log_format)
+    logs.setup_logging(settings.log_format, logs.level_of(settings.log_level))
     for warning in Settings.unknown_variables():
         logs.event("config.unknown_variable", logging.WARNING, warning=warning)
     faults.arm()  # an unknown fault name stops the worker before it takes work

@@ -66,6 +66,8 @@ class Quarantine:
     headers: Mapping[str, str]
     tenant: str | None = None
     operation_id: str | None = None
+    # not a column: the instance, where the worker knew it, for the custody event
+    instance_id: str | None = None
 
     def params(self, jsonb: Jsonb) -> dict[str, Any]:
         return {
@@ -90,6 +92,9 @@ class Refusal:
     detail: str
     message_id: str | None
     body: bytes
+    # not columns: what the custody event says of it
+    trace_id: str | None = None
+    operation_id: str | None = None
 
     def params(self) -> dict[str, Any]:
         return {

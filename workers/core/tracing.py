@@ -59,3 +59,18 @@ def done_continuing(token: Continuing) -> None:
 def valid(traceparent: str | None) -> bool:
     match = _TRACEPARENT.match(traceparent or "")
     return match is not None and match.group(1) != "0" * 32
+
+
+def trace_id(traceparent: object) -> str | None:
+    """The 32-hex trace id of a traceparent (a str or the bytes of a header), or None."""
+    if isinstance(traceparent, bytes):
+        traceparent = traceparent.decode("ascii", "replace")
+    if not isinstance(traceparent, str):
+        return None
+    match = _TRACEPARENT.match(traceparent)
+    return match.group(1) if match else None
+
+
+def trace_id_of(headers: Mapping[str, Any]) -> str | None:
+    """The trace id a message's headers carry, or None (never a new one)."""
+    return trace_id(headers.get("traceparent"))

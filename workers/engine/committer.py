@@ -65,6 +65,7 @@ class Committer:
                 )
             except codec.DecodeError as exc:
                 quarantine.append(_quarantine_row(d, Reason(exc.reason), exc.detail))
+                d.ids["outcome"] = "quarantine"
                 continue
             if isinstance(message, StartRequest):
                 run.append((d, message))
@@ -81,6 +82,7 @@ class Committer:
         outcome = await self.operators.cancel_start(
             actor, request.tenant, request.start_request_id, request.reason
         )
+        d.ids["outcome"] = f"cancel_{outcome.result.value}"
         logs.event(
             "request.cancel",
             tenant=request.tenant,
@@ -112,13 +114,16 @@ class Committer:
                 for r in await tx.rows("start_tombstones_for", keys)
             }
             late = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) in tombstoned]
-            for _, s in late:
+            for d, s in late:
                 await tx.run(
                     "start_tombstone_late",
                     {"tenant": s.tenant, "start_request_id": s.start_request_id},
                 )
+                d.ids["outcome"] = "cancelled_before_start"
                 logs.event(
                     "start.cancelled_before_start",
+                    message_id=d.message_id,
+                    trace_id=tracing.trace_id_of(d.headers),
                     tenant=s.tenant,
                     start_request_id=s.start_request_id,
                 )
@@ -131,13 +136,15 @@ class Committer:
             plans: list[activation.Plan] = []
             seen: set[str] = set()
             for (d, start), iid in zip(valid, ids, strict=True):
+                d.ids["instance_id"] = iid
                 old = existing.get(iid)
                 if old is not None or iid in seen:
                     conflict = activation.start_conflict(old["input"], start) if old else None
                     if conflict is not None:
                         quarantine.append(
-                            _quarantine_row(d, conflict.reason, conflict.detail, start.tenant)
+                            _quarantine_row(d, conflict.reason, conflict.detail, start.tenant, iid)
                         )
+                    d.ids["outcome"] = "duplicate" if conflict is None else "quarantine"
                     continue
                 # tracing on: the delivery's consume span, so that the instance's
                 # successors continue a span that was exported
@@ -154,8 +161,9 @@ class Committer:
                     if decided.reason is Reason.ACTIVATION_FAILED:
                         metrics.ACTIVATION_FAILURES.labels(decided.reason).inc()
                     quarantine.append(
-                        _quarantine_row(d, decided.reason, decided.detail, start.tenant)
+                        _quarantine_row(d, decided.reason, decided.detail, start.tenant, iid)
                     )
+                    d.ids["outcome"] = "quarantine"
                     continue
                 definition, pinned = decided.definition, decided.pinned
                 seen.add(iid)
@@ -173,6 +181,7 @@ class Committer:
                     }
                 )
                 plans.append(decided.plan)
+                d.ids.update(operation_id=decided.plan.operation.id, outcome="started")
             inserted = set()
             if instances:
                 inserted = {
@@ -193,8 +202,7 @@ class Committer:
                 _traced(span, plans, [d.message_id for d, _ in valid])
             faults.crash_point("before_commit")
         metrics.transitions("start", len(plans))
-        for q in quarantine:
-            metrics.quarantined(q.source, q.reason)
+        context.quarantined(quarantine)
 
     async def commit_successors(self) -> int:
         """Claim a batch of successor intents and commit their transitions.
@@ -358,7 +366,11 @@ def _history(instance_id: Any, event: str, **detail: Any) -> records.History:
 
 
 def _quarantine_row(
-    d: broker.Delivery, reason: Reason, detail: str, tenant: str | None = None
+    d: broker.Delivery,
+    reason: Reason,
+    detail: str,
+    tenant: str | None = None,
+    instance_id: str | None = None,
 ) -> records.Quarantine:
     return context.quarantine(
         d,
@@ -367,6 +379,7 @@ def _quarantine_row(
         reason=reason,
         detail=detail,
         tenant=tenant,
+        instance_id=instance_id,
     )
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from workers import errors
-from workers.core import horizon, process, records, routes
+from workers.core import horizon, process, records, routes, tracing
 from workers.core.reasons import Reason
 from workers.io import broker
 from workers.io import db as dbm
-from workers.runtime import logs, metrics, probes
+from workers.runtime import consume, logs, metrics, probes
 from workers.settings import Settings
 
 
@@ -96,6 +96,7 @@ def quarantine(
     detail: str,
     tenant: str | None = None,
     operation_id: str | None = None,
+    instance_id: str | None = None,
 ) -> records.Quarantine:
     """The one constructor of an engine quarantine row for a delivery: its raw body,
     its bounded headers, the broker-validated user id, and the closed reason."""
@@ -110,4 +111,20 @@ def quarantine(
         headers=broker.safe_headers(d.headers),
         tenant=tenant,
         operation_id=operation_id,
+        instance_id=instance_id,
     )
+
+
+def quarantined(rows: Sequence[records.Quarantine]) -> None:
+    """After the commit that kept them: each quarantined message's metric and event."""
+    for q in rows:
+        consume.quarantined(
+            q.source,
+            q.reason,
+            q.detail,
+            message_id=q.message_id,
+            trace_id=tracing.trace_id_of(q.headers),
+            operation_id=q.operation_id,
+            instance_id=q.instance_id,
+            tenant=q.tenant,
+        )

@@ -18,7 +18,7 @@ from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
 from workers import errors
 from workers.core import effects as effects_
-from workers.core import lifecycle, process, records, validation
+from workers.core import lifecycle, process, records, tracing, validation
 from workers.core.reasons import Reason
 from workers.engine import context
 from workers.io import broker, db
@@ -116,7 +116,8 @@ class ReceiptConsumer:
             }
             await faults.point("receipts_locked")
             for i, d, message in decoded:
-                verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
+                with logs.bound(**_ids(d, message, rows)):
+                    verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
             await _write(tx, w)
             if span.recording:
                 span.set(
@@ -126,8 +127,7 @@ class ReceiptConsumer:
                     verdict=w.verdicts,
                 )
         faults.crash_point("receipts_after_commit_before_ack")
-        for q in w.quarantine:
-            metrics.quarantined(q.source, q.reason)
+        context.quarantined(w.quarantine)
         for v in w.verdicts:
             metrics.RECEIPTS.labels(v).inc()
         for seconds in w.latencies:
@@ -162,7 +162,15 @@ class ReceiptConsumer:
         if j.refused is not None:
             if j.definition_missing:
                 _alert_definition_missing(row, j.refused.detail)
-            w.quarantine.append(_quarantine(d, Reason(j.refused.reason), j.refused.detail, j.about))
+            w.quarantine.append(
+                _quarantine(
+                    d,
+                    Reason(j.refused.reason),
+                    j.refused.detail,
+                    j.about,
+                    instance_id=d.ids.get("instance_id"),
+                )
+            )
             return j.result
         assert op is not None and row is not None
         receipt, decision = j.receipt, j.decision
@@ -250,11 +258,30 @@ def _inner(message: OperationReceipt | QueryAnswer) -> OperationReceipt | None:
     return message.receipt if isinstance(message, QueryAnswer) else message
 
 
+def _ids(
+    d: broker.Delivery,
+    message: OperationReceipt | QueryAnswer,
+    rows: dict[str, records.OperationRow],
+) -> dict[str, str | None]:
+    """The ids of one receipt's judgement, bound while it is judged and kept on the
+    delivery for the consumer's lines after the commit."""
+    row = rows.get(message.operation_id)
+    d.ids["operation_id"] = message.operation_id
+    if row is not None:
+        d.ids["instance_id"] = str(row.instance_id)
+    return {
+        "message_id": d.message_id,
+        "trace_id": tracing.trace_id_of(d.headers),
+        **d.ids,
+    }
+
+
 def _quarantine(
     d: broker.Delivery,
     reason: Reason,
     detail: str,
     message: OperationReceipt | QueryAnswer | None = None,
+    instance_id: str | None = None,
 ) -> records.Quarantine:
     return context.quarantine(
         d,
@@ -264,6 +291,7 @@ def _quarantine(
         detail=detail,
         tenant=message.tenant if message else None,
         operation_id=message.operation_id if message else None,
+        instance_id=instance_id,
     )
 
 

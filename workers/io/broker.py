@@ -22,6 +22,7 @@ import logging
 import random
 import re
 import ssl
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -138,6 +139,9 @@ class Delivery:
     _ledger: Ledger | None = None
     # the exchange it was published to (a dead letter names its original one)
     exchange: str = ""
+    # what its handler learnt of it (operation_id, instance_id, outcome): the ids of the
+    # consumer's log lines about it after the commit (unit.done, a dead-letter)
+    ids: dict[str, Any] = field(default_factory=dict)
 
     def payload(self) -> bytes:
         """The body, for a handler's decoder: a delivery whose properties could not be
@@ -428,6 +432,7 @@ class NodesConnection(aio_pika.RobustConnection):
         self._patience = patience
         self.node = ""  # the node the connection is on (or was on last)
         self.ever_connected = False
+        self._lost_at: float | None = None  # monotonic time of the last loss
         self.gave_up: asyncio.Future[errors.CustodyError] = self.loop.create_future()
 
     async def _RobustConnection__connect_transport(self) -> None:  # noqa: N802 (aio-pika's)
@@ -441,16 +446,42 @@ class NodesConnection(aio_pika.RobustConnection):
         except Exception as exc:
             self._failed(node, exc)
             raise
+        lost_at = self._lost_at
+        down: dict[str, Any] = {}
+        if lost_at is not None:
+            down["down_s"] = round(time.monotonic() - lost_at, 3)
         self._patience.report(
             "broker.connected",
             worker=self._worker,
             node=node,
             phase="reconnect" if self.ever_connected else "start",
             failed_attempts=self._failures,
+            **down,
         )
+        self._lost_at = None
         self.node, self.ever_connected = node, True
         self._failures, self._delay = 0, 0.0
         self._errors.clear()
+
+    async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
+        """A connection that closed without custody closing it: ``broker.connection_lost``
+        (the robust connection then reconnects; ``broker.connected`` with phase
+        ``reconnect`` says when it is back)."""
+        lost = not self._close_called and not self.is_closed
+        try:
+            cause: BaseException | None = closing.exception()
+        except (asyncio.CancelledError, asyncio.InvalidStateError) as exc:
+            cause = exc
+        if lost:
+            self._lost_at = time.monotonic()
+            self._patience.report(
+                "broker.connection_lost",
+                logging.WARNING,
+                worker=self._worker,
+                node=self.node,
+                error=_why(cause)[:300] if cause is not None else "closed",
+            )
+        await super()._on_connection_close(closing)
 
     def _failed(self, node: str, exc: BaseException) -> None:
         self._failures += 1

@@ -182,6 +182,7 @@ class Participant:
                         d.payload(), self.settings.max_message_bytes
                     )
                     commands.append((d, command))
+                    d.ids["operation_id"] = command.operation_id
                 except codec.DecodeError as exc:
                     refused.append(_refused(d, Reason(exc.reason), exc.detail))
                     commands.append((d, None))
@@ -322,7 +323,14 @@ class Participant:
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
         for r in refused:
-            metrics.quarantined(metrics.participant_source(self.me.owner), r.reason)
+            consume.quarantined(
+                metrics.participant_source(self.me.owner),
+                r.reason,
+                r.detail,
+                message_id=r.message_id,
+                trace_id=r.trace_id,
+                operation_id=r.operation_id,
+            )
         return [d.value for d in decisions]
 
     async def _complete_inline(
@@ -643,7 +651,12 @@ class Participant:
                 )
                 if row is not None:  # else settled meanwhile (a cancel won), or not ours
                     try:
-                        receipt, traceparent = await self._run_one(tx, row)
+                        with logs.bound(
+                            trace_id=tracing.trace_id(row["traceparent"]),
+                            operation_id=str(row["operation_id"]),
+                            request_id=request_id,
+                        ):
+                            receipt, traceparent = await self._run_one(tx, row)
                     except _Conflict:
                         conflicted = True
                         break
@@ -781,7 +794,14 @@ def _cmd(c: SubmitCommand) -> dict[str, Any]:
 
 
 def _refused(d: broker.Delivery, reason: Reason, detail: str) -> records.Refusal:
-    return records.Refusal(reason, detail, d.message_id, d.body)
+    return records.Refusal(
+        reason,
+        detail,
+        d.message_id,
+        d.body,
+        trace_id=tracing.trace_id_of(d.headers),
+        operation_id=d.ids.get("operation_id"),
+    )
 
 
 async def serve(

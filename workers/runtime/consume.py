@@ -6,16 +6,24 @@ transient is split: each delivery is redone alone, and the one that still fails 
 a poison message — it goes to the dead-letter exchange with its reason in the
 ``x-custody-reason`` header (or, if even that publish fails, is rejected so the
 queue's policy dead-letters it), so it never blocks the queue behind it.
+
+Log correlation: a unit of one delivery runs with its ``message_id`` and ``trace_id``
+bound (every line inside carries them); a unit of a batch carries ``batch_size``, and
+its handler binds each message's ids where it handles that message alone. At debug
+level each delivery of a committed unit gets one ``unit.done`` line (its ids, what its
+handler learnt of it in ``Delivery.ids``, its outcome and the unit's duration).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from workers import errors
+from workers.core import tracing
 from workers.io import broker
 from workers.runtime import batching, faults, logs, metrics, otel, supervisor
 from workers.settings import Settings
@@ -104,7 +112,16 @@ async def process(
 
     async def unit(items: Sequence[broker.Delivery]) -> Any:
         faults.poison_check(worker, [d.body for d in items])
-        return await handle(items)
+        started = time.monotonic()
+        if len(items) == 1:
+            with logs.bound(message_id=items[0].message_id, trace_id=_trace_id(items[0])):
+                result = await handle(items)
+        else:
+            with logs.bound(batch_size=len(items)):
+                result = await handle(items)
+        if logs.enabled(logging.DEBUG):
+            _done(items, result, started)
+        return result
 
     def nobody_to_blame(exc: Exception) -> bool:
         # stopping, or a broken deployment (grants, schema): no message is poison, so
@@ -144,11 +161,14 @@ async def dead_letter(
 ) -> None:
     reason = f"{type(error).__name__}: {error}"[:500]
     metrics.DEAD_LETTERED.labels(worker).inc()
+    ids = {k: v for k, v in d.ids.items() if k != "outcome"}
+    fields = {"message_id": d.message_id, "trace_id": _trace_id(d), **ids}
     logs.event(
         "consumer.dead_lettered",
         logging.ERROR,
+        **fields,
         worker=worker,
-        message_id=d.message_id,
+        routing_key=d.routing_key,
         reason=reason,
     )
     if dead is None:
@@ -176,3 +196,37 @@ async def dead_letter(
     )
     if not outcome.ok:
         await d.reject()
+
+
+def _trace_id(d: broker.Delivery) -> str | None:
+    return tracing.trace_id_of(d.headers)
+
+
+def _done(items: Sequence[broker.Delivery], result: Any, started: float) -> None:
+    """The debug ``unit.done`` line of each delivery of a committed unit."""
+    ms = round((time.monotonic() - started) * 1000, 3)
+    outcomes = result if isinstance(result, list) and len(result) == len(items) else None
+    for i, d in enumerate(items):
+        fields: dict[str, Any] = {
+            "message_id": d.message_id,
+            "trace_id": _trace_id(d),
+            "outcome": str(outcomes[i]) if outcomes is not None else "committed",
+            **d.ids,
+            "batch_size": len(items),
+            "duration_ms": ms,
+        }
+        logs.event("unit.done", logging.DEBUG, **fields)
+
+
+def quarantined(source: str, reason: str, detail: str, **ids: Any) -> None:
+    """A message kept in quarantine, once its transaction committed: its metric and its
+    custody event (``quarantine.recorded``, with its reason and the ids known of it)."""
+    metrics.quarantined(source, reason)
+    logs.event(
+        "quarantine.recorded",
+        logging.WARNING,
+        **{k: v for k, v in ids.items() if v is not None},
+        source=source,
+        reason=str(reason),
+        detail=detail[:300],
+    )

@@ -26,7 +26,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import startup
-from workers.runtime import otel
+from workers.runtime import logs, otel
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -64,7 +64,9 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     server = await serve(metrics_port, health) if metrics_port else None
     event("worker.started", worker=name, metrics_port=metrics_port, tracing=tracing)
     started = time.monotonic()
-    with startup.patient(patience):  # the worker's task (and its tasks) wait at start-up
+    # the worker's task (and its tasks) wait at start-up, and every line they log
+    # carries the worker's name
+    with startup.patient(patience), logs.bound(worker=name):
         task = asyncio.create_task(main(stop, health), name=name)
     stopper = asyncio.create_task(stop.event.wait())
     code = 0
@@ -79,7 +81,7 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
                 code = 3
         if task.done() and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            if stop.requested and _transient(exc):
+            if stop.requested and exc is not None and _transient(exc):
                 # stopped while Postgres or RabbitMQ was down: the unit being redone was
                 # given up (nothing acked, nothing committed; it is redone elsewhere),
                 # which is a drain, not a crash
