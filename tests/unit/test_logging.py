@@ -378,3 +378,42 @@ def test_a_disabled_level_costs_next_to_nothing() -> None:
     finally:
         logger.setLevel(old)
     assert per_call < 20e-6, f"{per_call * 1e6:.2f} us per disabled event"
+
+
+async def test_a_polling_loops_unit_that_did_something_logs_unit_done_at_debug(
+    stream: io.StringIO, tmp_path: Path
+) -> None:
+    """ "A debug level shows each unit": a loop's unit (outbox.publish, the successors,
+    the reconciler's sweeps, the participant's executor) gets a ``unit.done`` line with
+    its name, rows and duration when it did something; an idle poll writes nothing."""
+    from workers.runtime import supervisor
+
+    stop = supervisor.Stop(1.0)
+
+    async def nothing() -> None:
+        return None
+
+    async def three() -> int:
+        return 3
+
+    async def idle() -> int:
+        return 0
+
+    assert (
+        await supervisor.redo(
+            three, worker="publisher", stop=stop, on_fenced=nothing, name="outbox.publish"
+        )
+        == 3
+    )
+    assert (
+        await supervisor.redo(
+            idle, worker="publisher", stop=stop, on_fenced=nothing, name="outbox.publish"
+        )
+        == 0
+    )
+    assert await supervisor.redo(three, worker="publisher", stop=stop, on_fenced=nothing) == 3
+    [obj] = [json.loads(line) for line in lines_of(stream)]
+    assert obj["event"] == "unit.done" and obj["level"] == "debug"
+    assert (obj["unit"], obj["rows"], obj["attempts"]) == ("outbox.publish", 3, 1)
+    assert obj["duration_ms"] >= 0
+    assert not schema_errors([obj], tmp_path)

@@ -402,7 +402,11 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
         async def successors() -> None:
             while not stop.requested:
                 n = await supervisor.redo(
-                    committer.commit_successors, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire
+                    committer.commit_successors,
+                    worker=ACTOR,
+                    stop=stop,
+                    on_fenced=ctx.reacquire,
+                    name="committer.successors",
                 )
                 if n < settings.batch_size:
                     await waker.wait()

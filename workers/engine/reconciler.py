@@ -194,7 +194,11 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
                     n = max(
                         n,
                         await supervisor.redo(
-                            sweep, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire
+                            sweep,
+                            worker=ACTOR,
+                            stop=stop,
+                            on_fenced=ctx.reacquire,
+                            name=f"reconciler.{sweep.__name__}",
                         ),
                     )
                 await supervisor.redo(rec.sample, worker=ACTOR, stop=stop, on_fenced=ctx.reacquire)

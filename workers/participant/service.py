@@ -872,7 +872,13 @@ async def serve(
 
     async def execute() -> None:
         while not stop.requested:
-            n = await supervisor.redo(part.execute, worker=worker, stop=stop, on_fenced=nothing)
+            n = await supervisor.redo(
+                part.execute,
+                worker=worker,
+                stop=stop,
+                on_fenced=nothing,
+                name="participant.execute",
+            )
             if n:
                 pub_waker.kick()
             if n < settings.batch_size:

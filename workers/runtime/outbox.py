@@ -194,7 +194,9 @@ async def loop(
     """Claim while there is work; otherwise wait for a NOTIFY or the poll interval."""
     last_sample = 0.0
     while not stop.requested:
-        n = await supervisor.redo(pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced)
+        n = await supervisor.redo(
+            pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced, name="outbox.publish"
+        )
         if time.monotonic() - last_sample > 5:
             await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
             last_sample = time.monotonic()

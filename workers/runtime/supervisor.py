@@ -206,8 +206,14 @@ async def redo(
     worker: str,
     stop: Stop,
     on_fenced: Callable[[], Awaitable[Any]],
+    name: str | None = None,
 ) -> Any:
     """Run a unit of work, redoing it whole on transient failures until it commits.
+
+    ``name`` (a polling loop's unit: ``outbox.publish``, ``committer.successors``, ...)
+    gives it a debug ``unit.done`` line when it did something (its result, a count of
+    rows, is not 0): with ``CUSTODY_LOG_LEVEL=debug`` every unit shows, the consumers'
+    through :mod:`workers.runtime.consume` (one per delivery), the loops' here.
 
     Every unit is idempotent by identity (dedup keys, guarded UPDATEs), so a redo
     after a commit in doubt re-reads what committed instead of doing it twice. A
@@ -227,11 +233,16 @@ async def redo(
 
     attempt = changed = 0
     failure: BaseException | None = None
+    started = time.monotonic()
     while True:
         try:
             if failure is None:
-                return await unit()
-            return await _unless_stopped(unit, stop, failure)
+                result = await unit()
+            else:
+                result = await _unless_stopped(unit, stop, failure)
+            if name is not None:
+                _done(name, result, started, attempt + 1)
+            return result
         except errors.Fenced as exc:
             # a consequence of the lease loss, which on_fenced's keeper counts (once,
             # however many units it fenced): custody_lease_losses_total
@@ -259,6 +270,21 @@ async def redo(
                 raise
             failure = exc
         attempt += 1
+
+
+def _done(name: str, result: Any, started: float, attempts: int) -> None:
+    """The debug ``unit.done`` line of a polling loop's unit that did something."""
+    if not result or not logs.enabled(logging.DEBUG):
+        return
+    rows = result if isinstance(result, int) and not isinstance(result, bool) else None
+    event(
+        "unit.done",
+        logging.DEBUG,
+        unit=name,
+        rows=rows,
+        attempts=attempts,
+        duration_ms=round((time.monotonic() - started) * 1000, 3),
+    )
 
 
 async def _unless_stopped(
