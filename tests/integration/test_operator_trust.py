@@ -334,6 +334,7 @@ def test_an_operator_scoped_to_a_tenant_reads_only_that_tenants_rows(
 
 TENANT_FREE = {
     "control",
+    "schema_migrations",
     "leases",
     "operators",
     "operation_events",

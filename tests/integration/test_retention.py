@@ -57,11 +57,13 @@ def test_start_up_refuses_a_horizon_shorter_than_retry_replay_and_restore(
         CUSTODY_RESTORE_HORIZON_S="1200",
     )
     assert result.returncode == 2, result.stderr
+    # a participant says it on stderr before its logging starts; an engine worker's
+    # refusal is its worker.crashed log line, on stdout with every log line
     assert (
         "CUSTODY_RETENTION_S=1000s is shorter than the longest retry window (183s, node "
         "'charge' of order-fulfilment v1) + CUSTODY_REPLAY_HORIZON_S (600s) + "
         "CUSTODY_RESTORE_HORIZON_S (1200s) = 1983s"
-    ) in result.stderr
+    ) in result.stderr + result.stdout
 
 
 @pytest.fixture
