@@ -18,7 +18,7 @@ SEED = 12
 @pytest.mark.timeout(330)
 def test_a_ci_sized_chaos_run_loses_duplicates_and_invents_nothing(tmp_path: Path) -> None:
     code, output, report = chaos(
-        f"run --seed {SEED} --instances 800 --duration 70 --base-port 21200 --settle 150".split(),
+        f"run --seed {SEED} --instances 700 --duration 45 --base-port 21200 --settle 150".split(),
         workdir=workdir(tmp_path.name),
         timeout=320,
     )
