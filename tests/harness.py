@@ -137,15 +137,19 @@ async def publish_starts(
     tenant: str = "acme",
     process: str = "order-fulfilment",
     start_request_ids: Sequence[str] | None = None,
+    traceparent: str | None = None,
 ) -> list[str]:
     """Publish start requests (broker-confirmed), under the given start request ids or
-    fresh ones; returns their start request ids."""
+    fresh ones, each with the caller's ``traceparent`` header if given; returns their
+    start request ids."""
     ids, items = [], []
     chosen: Sequence[str | None] = start_request_ids or [None] * len(orders)
     for o, start_id in zip(orders, chosen, strict=True):
         item = broker.start_request(
             tenant=tenant, process=process, input=o, requested_by="test", start_request_id=start_id
         )
+        if traceparent is not None:
+            item = dataclasses.replace(item, headers={"traceparent": traceparent})
         ids.append(item.message_id)
         items.append(item)
     async with client(settings) as amqp:

@@ -21,12 +21,10 @@ from typing import Any
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from contracts import codec
-from contracts.models import StartRequest
 from tests.acceptance.observability import TRACEPARENT, start
 from tests.acceptance.support import Crew, all_finished
 from tests.conftest import Env
-from tests.harness import client, order
+from tests.harness import order, publish_starts
 from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS
 from workers.io import broker
 
@@ -129,28 +127,7 @@ def collector() -> Iterator[Collector]:
 
 
 async def start_one(env: Env, traceparent: str) -> str:
-    start_id = str(uuid.uuid4())
-    request = StartRequest(
-        tenant="acme",
-        start_request_id=start_id,
-        process="order-fulfilment",
-        input=order(1),
-        requested_by="test",
-    )
-    async with client(env.settings) as amqp:
-        pub = await amqp.publisher(window=8, timeout_s=10, user_id=None)
-        [outcome] = await pub.publish_many(
-            [
-                broker.Outgoing(
-                    start_id,
-                    broker.EXCHANGE_REQUESTS,
-                    broker.START_KEY,
-                    codec.encode(request),
-                    {"traceparent": traceparent},
-                )
-            ]
-        )
-    assert outcome.ok, outcome.error
+    [start_id] = await publish_starts(env.settings, [order(1)], traceparent=traceparent)
     return start_id
 
 

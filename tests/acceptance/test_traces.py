@@ -20,7 +20,7 @@ import aio_pika
 import pytest
 
 from contracts import codec
-from contracts.models import StartRequest, SubmitCommand
+from contracts.models import SubmitCommand
 from tests.acceptance.observability import (
     TRACEPARENT,
     Expect,
@@ -69,28 +69,7 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
         # spy gets a copy.
         for w in ("committer", "publisher"):
             start(crew, w, port=0)
-        start_id = str(uuid.uuid4())
-        async with client(env.settings) as amqp:
-            pub = await amqp.publisher(window=8, timeout_s=10, user_id=None)
-            request = StartRequest(
-                tenant="acme",
-                start_request_id=start_id,
-                process="order-fulfilment",
-                input=order(1),
-                requested_by="test",
-            )
-            [outcome] = await pub.publish_many(
-                [
-                    broker.Outgoing(
-                        start_id,
-                        broker.EXCHANGE_REQUESTS,
-                        broker.START_KEY,
-                        codec.encode(request),
-                        {"traceparent": traceparent},
-                    )
-                ]
-            )
-        assert outcome.ok, outcome.error
+        [start_id] = await publish_starts(env.settings, [order(1)], traceparent=traceparent)
 
         message: aio_pika.abc.AbstractIncomingMessage | None = None
 
