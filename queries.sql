@@ -152,8 +152,11 @@ UPDATE successor_intents SET status = 'done', done_at = now()
  WHERE id = ANY(%(ids)s) AND status = 'pending';
 
 -- name: instance_finish
-UPDATE instances SET status = %(status)s, finished_at = now(), updated_at = now()
- WHERE id = %(id)s AND status = 'running';
+-- A batch's ends in one statement, each only from running; returns the instances ended.
+UPDATE instances i SET status = r.status, finished_at = now(), updated_at = now()
+  FROM jsonb_to_recordset(%(rows)s) AS r(id uuid, status custody.instance_status)
+ WHERE i.id = r.id AND i.status = 'running'
+RETURNING i.id;
 
 -- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
 
@@ -173,11 +176,14 @@ UPDATE outbox o
                    AND (b.kind <> 'submit' OR (
                         NOT %(held)s AND NOT (SELECT dispatch_paused FROM control)
                         AND EXISTS (SELECT 1 FROM operations op
-                                      JOIN instances i ON i.id = op.instance_id
                                       JOIN attempts a ON a.request_id = b.id
-                                     WHERE op.id = b.operation_id AND NOT i.dispatch_paused
-                                       AND i.status = 'running' AND a.attempt = op.attempt
-                                       AND op.status IN ('pending', 'dispatched', 'accepted'))))
+                                     WHERE op.id = b.operation_id AND a.attempt = op.attempt
+                                       AND op.status IN ('pending', 'dispatched', 'accepted')
+                                       -- the instance by its key, always: a join here let a
+                                       -- plan cached on young tables read every running
+                                       -- instance through instances_status per row
+                                       AND (SELECT i.status = 'running' AND NOT i.dispatch_paused
+                                              FROM instances i WHERE i.id = op.instance_id))))
                  ORDER BY b.next_attempt_at
                  LIMIT %(limit)s
                    FOR UPDATE OF b SKIP LOCKED)
@@ -258,18 +264,28 @@ SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.co
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: operation_apply
-UPDATE operations
-   SET status = %(status)s, effect = %(effect)s, owner_revision = %(owner_revision)s,
-       receipt_hash = %(receipt_hash)s, result = coalesce(%(result)s, result),
-       error = coalesce(%(error)s, error), updated_at = now(),
-       deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds)),
-       retry_at = now() + make_interval(secs => %(retry_in)s),
-       finished_at = CASE WHEN %(terminal)s THEN now() END
- WHERE id = %(id)s AND status = %(expected)s;
+-- One statement for the batch's changes, each operation at most once (the caller folds
+-- an operation's changes in one batch into one: records.fold_updates), each guarded by
+-- the status it was judged from: a row count below the changes' is a row changed under
+-- its lock. By primary key (a nested loop over the batch's rows).
+UPDATE operations o
+   SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
+       receipt_hash = r.receipt_hash, result = coalesce(r.result, o.result),
+       error = coalesce(r.error, o.error), updated_at = now(),
+       deadline_at = coalesce(o.deadline_at, now() + make_interval(secs => o.deadline_seconds)),
+       retry_at = now() + make_interval(secs => r.retry_in),
+       finished_at = CASE WHEN r.terminal THEN now() END
+  FROM jsonb_to_recordset(%(rows)s)
+       AS r(id uuid, expected custody.operation_status, status custody.operation_status,
+            effect custody.effect, owner_revision integer, receipt_hash text, result jsonb,
+            error jsonb, terminal boolean, retry_in double precision)
+ WHERE o.id = r.id AND o.status = r.expected;
 
 -- name: node_finish
-UPDATE node_states SET status = %(status)s, updated_at = now()
- WHERE operation_id = %(operation_id)s AND status = 'active';
+-- The batch's finished nodes, in one statement.
+UPDATE node_states n SET status = r.status, updated_at = now()
+  FROM jsonb_to_recordset(%(rows)s) AS r(operation_id uuid, status text)
+ WHERE n.operation_id = r.operation_id AND n.status = 'active';
 
 -- name: successor_insert
 INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_node)

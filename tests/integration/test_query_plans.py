@@ -344,3 +344,72 @@ def test_the_archival_reaches_finished_instances_through_their_index(
     assert not _full_reads(every), f"the archival reads {_full_reads(every)} in full; {body}"
     used = {n["Index Name"] for n in every if "Index Name" in n}
     assert "instances_finished" in used, f"uses {sorted(used)}; {body}"
+
+
+# name -> (relation, the only index it may be read through, parameters): the statements
+# of the hot path that reach a row of a table by its key
+BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "outbox_claim": (
+        "instances",
+        "instances_pkey",
+        {"holder": "plan-test", "ttl": 30, "held": False, "limit": 50},
+    ),
+    # the receipts' lock of a batch's operations, with their instances' status
+    "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
+    "operations_lock ": ("instances", "instances_pkey", {"ids": [uuid.uuid4()]}),
+}
+
+
+@pytest.fixture(scope="module")
+def young(templates: tuple[str, str]) -> Iterator[str]:
+    """An engine database as a deployment's first seconds find it: its tables empty and
+    never analysed (the plans a worker caches then are the ones it keeps while the
+    tables grow, until autovacuum analyses them)."""
+    name = f"custody_young_{uuid.uuid4().hex[:10]}"
+    admin_execute(
+        pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            pg_sql.Identifier(name), pg_sql.Identifier(templates[0])
+        )
+    )
+    try:
+        yield database_url(name)
+    finally:
+        admin_execute(
+            pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
+        )
+
+
+def generic_plan(url: str, statement: LiteralString, params: dict[str, Any]) -> Any:
+    """The generic plan of a statement (parameters bound server-side, as the workers'
+    prepared statements are once psycopg has prepared them)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SET search_path = custody")
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        row = conn.execute("EXPLAIN (FORMAT JSON) " + statement, params).fetchone()
+        assert row is not None
+        return row[0][0]["Plan"]
+
+
+@pytest.mark.parametrize("name", list(BY_KEY))
+def test_a_hot_path_statement_reaches_a_row_by_its_key_whatever_the_statistics(
+    name: str, databases: dict[str, tuple[str, str]], young: str
+) -> None:
+    """The bench found the publisher's claim reading every running instance through
+    ``instances_status`` once per claimed submit, in the plan its prepared statement had
+    cached while the tables were young: O(running instances) per row, the busiest
+    statement of a long burst. Written to leave the planner no such choice, the statement
+    reads the table only through its key, on young tables (a generic plan) and on a
+    large analysed history alike."""
+    relation, index, params = BY_KEY[name]
+    statement = sql.query(name.strip())
+    plans = {
+        "young, generic": generic_plan(young, statement, params),
+        "large, analysed": explain(*databases["engine"], statement, params),
+    }
+    for kind, plan in plans.items():
+        reads = {
+            n.get("Index Name", n["Node Type"])
+            for n in nodes(plan)
+            if n.get("Relation Name") == relation and n["Node Type"] != "ModifyTable"
+        }
+        assert reads == {index}, f"{name} ({kind}) reads {relation} through {reads}: {plan}"

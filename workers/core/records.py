@@ -10,8 +10,8 @@ row (:class:`Refusal`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final
 
@@ -184,7 +184,8 @@ class OperationRow:
 @dataclass(frozen=True)
 class OperationUpdate:
     """One guarded operation status change (``operation_apply``: WHERE status =
-    ``expected``; a smaller row count than updates is a row changed under its lock)."""
+    ``expected``; a smaller row count than the folded updates is a row changed under
+    its lock)."""
 
     id: str
     expected: lifecycle.Status
@@ -210,6 +211,27 @@ class OperationUpdate:
             "terminal": self.terminal,
             "retry_in": self.retry_in,
         }
+
+
+def fold_updates(updates: Sequence[OperationUpdate]) -> list[OperationUpdate]:
+    """A batch's operation changes, one per operation, for the one set-based statement
+    that applies them (``operation_apply`` updates each row at most once). Several
+    changes of one operation in a batch (its ``accepted`` then its terminal receipt)
+    fold into the change they make in sequence: guarded by the first one's expected
+    status, with the last one's status, effect, revision, hash, retry and end, and the
+    latest result and error given (``coalesce`` keeps an earlier one)."""
+    folded: dict[str, OperationUpdate] = {}
+    for u in updates:
+        before = folded.get(u.id)
+        if before is not None:
+            u = replace(
+                u,
+                expected=before.expected,
+                result=u.result if u.result is not None else before.result,
+                error=u.error if u.error is not None else before.error,
+            )
+        folded[u.id] = u
+    return list(folded.values())
 
 
 @dataclass(frozen=True)

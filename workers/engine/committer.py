@@ -230,6 +230,7 @@ class Committer:
             plans: list[activation.Plan] = []
             history: list[records.History] = []
             done: list[Any] = []
+            finishes: list[tuple[Any, lifecycle.InstanceStatus, records.History]] = []
             for intent in intents:
                 iid = intent["instance_id"]
                 nxt = intent["next_node"]
@@ -252,8 +253,7 @@ class Committer:
                     end = lifecycle.instance_target(
                         IE.COMPLETE if nxt == process.END_COMPLETED else IE.FAIL
                     )
-                    if await tx.run("instance_finish", {"id": iid, "status": end.value}):
-                        history.append(_history(iid, f"instance.{end.value}"))
+                    finishes.append((iid, end, _history(iid, f"instance.{end.value}")))
                     continue
                 pinned = {
                     k: ExecutorRoute.model_validate(v, strict=False)
@@ -287,16 +287,28 @@ class Committer:
                         error=str(exc)[:300],
                     )
                     failed = lifecycle.instance_target(IE.FAIL)
-                    if await tx.run("instance_finish", {"id": iid, "status": failed.value}):
-                        history.append(
+                    finishes.append(
+                        (
+                            iid,
+                            failed,
                             _history(
                                 iid,
                                 f"instance.{failed.value}",
                                 reason=Reason.ACTIVATION_FAILED,
                                 node=nxt,
                                 error=str(exc),
-                            )
+                            ),
                         )
+                    )
+            # the batch's ends in one guarded UPDATE (WHERE status = 'running'): the
+            # history of an end only for an instance it did end
+            ended: set[Any] = set()
+            if finishes:
+                rows = [{"id": i, "status": e.value} for i, e, _ in finishes]
+                ended = {
+                    r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})
+                }
+            history.extend(h for i, _, h in finishes if i in ended)
             await _write_plans(tx, plans)
             await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
             await tx.run("successor_done", {"ids": done})

@@ -224,8 +224,9 @@ async def _write(tx: db.Tx, w: _Writes) -> None:
     """The batch's writes, in one transaction, in an order that each depends on."""
     await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in w.quarantine])
     await tx.run_many("receipt_record", [r.params() for r in w.receipts])
-    changed = await tx.run_many("operation_apply", [u.params(db.jsonb) for u in w.updates])
-    if changed != len(w.updates):
+    updates = records.fold_updates(w.updates)
+    changed = await tx.run_many("operation_apply", [u.params(db.jsonb) for u in updates])
+    if changed != len(updates):
         raise errors.RowChanged("an operation changed under its row lock")
     if w.successors:
         faults.crash_point("receipts_between_result_and_successor")
