@@ -158,6 +158,9 @@ class Participant:
         # This executor's claims. One execute() at a time per instance (serve runs one
         # loop), so a redo after a transient failure takes its unfinished claims back.
         self._claim_token = str(uuid.uuid4())
+        # set by an acceptance that left accepted commands to the executor (not all ran
+        # inline): the consumer then wakes the executor at once, instead of on its poll
+        self.executor_due = False
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
@@ -194,7 +197,11 @@ class Participant:
             }
             checked = [(d, c, None if c is None else self._refusal(c)) for d, c in commands]
             ids = list({c.request_id for _, c, _ in checked if isinstance(c, SubmitCommand)})
-            tombstoned = {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
+            tombstoned = (
+                {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
+                if ids
+                else set()
+            )
             # The first admissible submit of each identity is offered to the inbox; the
             # outcome comes from the insert itself, never from a read before it (a
             # replica may be inserting the same identity right now).
@@ -206,12 +213,12 @@ class Participant:
             # Rows the insert did not return were there already, or were just taken by a
             # concurrent transaction: the insert waited for it to commit (READ COMMITTED),
             # so this new statement sees them. They are duplicates or conflicts.
-            stored = {
-                r["request_id"]: r
-                for r in await tx.rows(
-                    "p_inbox_get", {"ids": [i for i in offered if i not in inserted]}
-                )
-            }
+            again = [i for i in offered if i not in inserted]
+            stored = (
+                {r["request_id"]: r for r in await tx.rows("p_inbox_get", {"ids": again})}
+                if again
+                else {}
+            )
             missing = [i for i in offered if i not in inserted and i not in stored]
             if missing:  # gone again at once (retention past its horizon): decide afresh
                 raise errors.DatabaseError(
@@ -299,6 +306,9 @@ class Participant:
                 else:
                     receipts.append(receipt)
             done, overtaken = await self._complete_inline(tx, fresh, receipts, trace)
+            # accepted commands that did not complete inline wait for the executor
+            left = sum(1 for _, status, _ in fresh if status == acceptance.Verdict.ACCEPTED.value)
+            left_for_executor = left > len(done)
             # journal first: a query in the same batch sees what this batch accepted
             await self._emit(
                 tx,
@@ -308,7 +318,8 @@ class Participant:
                 journal_only=overtaken,
             )
             await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
-            await tx.run("p_reemit_latest", {"ids": reemit})
+            if reemit:
+                await tx.run("p_reemit_latest", {"ids": reemit})
             await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
             await tx.run_many("p_refused_insert", [r.params() for r in refused])
             if span.recording:
@@ -317,6 +328,8 @@ class Participant:
                     message_id=[d.message_id for d in deliveries],
                     decision=[d.value for d in decisions],
                 )
+        if left_for_executor:
+            self.executor_due = True
         if done:
             faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
@@ -854,7 +867,11 @@ async def serve(
         return None
 
     def kick() -> None:
-        exec_waker.kick()
+        # the executor only when acceptance left it work (its poll covers the rest:
+        # expired claims, deferred handlers); the publisher for every receipt queued
+        if part.executor_due:
+            part.executor_due = False
+            exec_waker.kick()
         pub_waker.kick()
 
     async def commands_in() -> None:
