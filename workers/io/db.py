@@ -29,7 +29,7 @@ import orjson
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb, set_json_dumps
+from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
@@ -90,9 +90,26 @@ def jsonb(value: Any) -> Jsonb:
     return Jsonb(value)
 
 
+# a run of digits that may be an integer beyond 64 bits, which orjson would read as a
+# float (the standard library keeps it an int, as it was written)
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
+
+
+def _loads(data: str | bytes | memoryview) -> Any:
+    """A jsonb value read back: orjson, unless the text holds a number orjson would
+    read otherwise than the standard library (an integer beyond 64 bits): then the
+    standard library, so a value reads back as it was written."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if _LONG_DIGITS.search(raw):
+        return json.loads(raw)
+    return orjson.loads(raw)
+
+
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Every pooled connection: JSON parameters are dumped by orjson."""
+    """Every pooled connection: JSON parameters are dumped, and jsonb values read, by
+    orjson."""
     set_json_dumps(_dumps, conn)
+    set_json_loads(_loads, conn)
 
 
 def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseError:
