@@ -13,6 +13,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from contracts import codec, identity
 from contracts.models import CancelRequest, ExecutorRoute, StartRequest
 from workers.core import activation, lifecycle, process, records, routes, tracing
@@ -36,6 +38,9 @@ async def _write_plans(tx: db.Tx, plans: Sequence[activation.Plan]) -> None:
     await tx.run_many("history_insert", [p.history.params(db.jsonb) for p in plans])
 
 
+PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
+
+
 class Committer:
     def __init__(
         self,
@@ -51,6 +56,9 @@ class Committer:
         self.lease = lease
         self.routes = table
         self.catalog = catalog
+        # an instance's pinned routes, parsed, with the names the current file changed
+        # or removed, by their JSON: most instances pin the same routes
+        self._pinned: dict[bytes, tuple[dict[str, ExecutorRoute], tuple[str, ...]]] = {}
 
     async def commit_requests(self, deliveries: Sequence[broker.Delivery]) -> None:
         """Start and cancel requests, in queue order: each run of starts in one
@@ -255,11 +263,7 @@ class Committer:
                     )
                     finishes.append((iid, end, _history(iid, f"instance.{end.value}")))
                     continue
-                pinned = {
-                    k: ExecutorRoute.model_validate(v, strict=False)
-                    for k, v in intent["routes"].items()
-                }
-                self._warn_drift(iid, pinned)
+                pinned = self._pinned_routes(iid, intent["routes"])
                 number = activations.get((iid, nxt), 0) + 1
                 activations[(iid, nxt)] = number
                 try:
@@ -348,21 +352,31 @@ class Committer:
                 )
             )
 
-    def _warn_drift(self, instance_id: Any, pinned: Mapping[str, ExecutorRoute]) -> None:
-        """A pinned route that the current file changed or removed is an alert, never a
-        redirect: the instance keeps the binding it started with."""
-        for name, route in pinned.items():
+    def _pinned_routes(self, instance_id: Any, raw: Mapping[str, Any]) -> dict[str, ExecutorRoute]:
+        """The instance's pinned routes. A pinned route that the current file changed or
+        removed is an alert, never a redirect: the instance keeps the binding it started
+        with."""
+        key = orjson.dumps(raw, option=orjson.OPT_SORT_KEYS)
+        known = self._pinned.get(key)
+        if known is None:
+            pinned = {k: ExecutorRoute.model_validate(v, strict=False) for k, v in raw.items()}
+            drifted = tuple(n for n, r in pinned.items() if self.routes.by_name.get(n) != r)
+            known = (pinned, drifted)
+            if len(self._pinned) < PINNED_ROUTES_KEPT:
+                self._pinned[key] = known
+        pinned, drifted = known
+        for name in drifted:
             current = self.routes.by_name.get(name)
-            if current != route:
-                metrics.ROUTE_DRIFT.labels(name).inc()
-                logs.event(
-                    "route.drift",
-                    logging.WARNING,
-                    instance_id=str(instance_id),
-                    route=name,
-                    pinned=route.binding,
-                    current=current.binding if current else None,
-                )
+            metrics.ROUTE_DRIFT.labels(name).inc()
+            logs.event(
+                "route.drift",
+                logging.WARNING,
+                instance_id=str(instance_id),
+                route=name,
+                pinned=pinned[name].binding,
+                current=current.binding if current else None,
+            )
+        return pinned
 
 
 def _traced(span: otel.Traced, plans: Sequence[activation.Plan], ids: Any) -> None:
