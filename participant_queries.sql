@@ -90,15 +90,25 @@ SELECT r.receipt_id, r.request_id, r.owner_revision, decode(r.body, 'base64')
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: p_outbox_insert
-INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id)
+-- Receipts to send, claimed at once by %(holder)s when given: the participant's own
+-- publisher, which sends them right after this commit from what it holds in memory (no
+-- claim transaction, no wake-up). If it dies first, the claim expires and any publisher
+-- claims them (p_outbox_claim). Returns the rows this statement inserted (a repeated id
+-- is the row already queued, not ours to send).
+INSERT INTO outbox (id, exchange, routing_key, body, headers, operation_id, claimed_by,
+                    claim_expires_at, publish_attempts)
 SELECT r.id, r.exchange, r.routing_key, decode(r.body, 'base64'), coalesce(r.headers, '{}'),
-       r.operation_id
+       r.operation_id, %(holder)s::text,
+       CASE WHEN %(holder)s::text IS NOT NULL
+            THEN clock_timestamp() + make_interval(secs => %(ttl)s::float8) END,
+       CASE WHEN %(holder)s::text IS NOT NULL THEN 1 ELSE 0 END
   FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
                   AS (id uuid, exchange text, routing_key text, body text, headers jsonb,
                       operation_id uuid))
        WITH ORDINALITY AS r(id, exchange, routing_key, body, headers, operation_id, n)
  ORDER BY r.n
-ON CONFLICT (id) DO NOTHING;
+ON CONFLICT (id) DO NOTHING
+RETURNING id::text;
 
 -- name: p_answer_upsert
 -- Every query is answered, a repeated one included (a restored engine re-issues query

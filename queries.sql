@@ -203,6 +203,11 @@ UPDATE outbox
        next_attempt_at = now() + make_interval(secs => %(delay)s)
  WHERE id = %(id)s AND claimed_by = %(holder)s AND status = 'pending';
 
+-- name: outbox_unclaim
+-- Claims given back unsent (a stopping participant's rows handed to its publisher).
+UPDATE outbox SET claimed_by = NULL, claim_expires_at = NULL
+ WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(holder)s AND status = 'pending';
+
 -- name: outbox_stats
 -- The outbox gauges, of the engine's outbox or a participant's (same view name in both
 -- schemas): the rows waiting to be sent or confirmed, and the age of the oldest. A

@@ -194,11 +194,11 @@ class HeldAcceptance(service.Participant):
         unjournaled: Sequence[OperationReceipt] = (),
         trace: Mapping[str, str | None] | None = None,
         journal_only: Collection[str] = (),
-    ) -> None:
+    ) -> service.Queued:
         if receipts and not self.inside.is_set():
             self.inside.set()
             await self.release.wait()
-        await super()._emit(tx, receipts, answers, unjournaled, trace, journal_only)
+        return await super()._emit(tx, receipts, answers, unjournaled, trace, journal_only)
 
 
 async def _waiting_on_a_lock(env: Env, application: str) -> bool:

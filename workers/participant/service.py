@@ -133,9 +133,23 @@ def _outbox_row(
         "exchange": broker.EXCHANGE_RECEIPTS,
         "routing_key": broker.RECEIPTS_KEY,
         "body": body,
-        "headers": db.jsonb(headers),
+        "headers": headers,
         "operation_id": operation_id,
     }
+
+
+@dataclass
+class Queued:
+    """What a commit queued in the outbox: rows claimed by our publisher, to hand to it
+    after the commit, and whether it queued rows that only a claim of the table finds."""
+
+    handoff: list[dict[str, Any]]
+    claimable: bool
+
+
+def _handed(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An outbox row as the publisher sends it (what its claim would have returned)."""
+    return {**row, "publish_attempts": 1}
 
 
 class Participant:
@@ -161,6 +175,12 @@ class Participant:
         # set by an acceptance that left accepted commands to the executor (not all ran
         # inline): the consumer then wakes the executor at once, instead of on its poll
         self.executor_due = False
+        # the in-process publisher of this participant's receipts (``serve`` sets it): a
+        # commit queues its receipts claimed by it and hands them over after the commit
+        self.sender: outbox.OutboxPublisher | None = None
+        # set by a commit that queued rows only a claim of the table finds (answers,
+        # re-emitted receipts; every row when there is no sender)
+        self.outbox_due = False
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
@@ -310,16 +330,19 @@ class Participant:
             left = sum(1 for _, status, _ in fresh if status == acceptance.Verdict.ACCEPTED.value)
             left_for_executor = left > len(done)
             # journal first: a query in the same batch sees what this batch accepted
-            await self._emit(
+            queued = await self._emit(
                 tx,
                 [*receipts, *done],
                 unjournaled=conflict_answers,
                 trace=trace,
                 journal_only=overtaken,
             )
-            await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
+            if queries:
+                answered = await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
+                queued.claimable = queued.claimable or answered.claimable
             if reemit:
                 await tx.run("p_reemit_latest", {"ids": reemit})
+                queued.claimable = True
             await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
             await tx.run_many("p_refused_insert", [r.params() for r in refused])
             if span.recording:
@@ -330,6 +353,7 @@ class Participant:
                 )
         if left_for_executor:
             self.executor_due = True
+        self._queued(queued)
         if done:
             faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
@@ -568,9 +592,11 @@ class Participant:
         unjournaled: Sequence[OperationReceipt] = (),
         trace: Mapping[str, str | None] | None = None,
         journal_only: Collection[str] = (),
-    ) -> None:
+    ) -> Queued:
         """Journal our receipts (they answer later queries) and queue everything we say
-        (but the receipts in ``journal_only``, overtaken before they could be sent)."""
+        (but the receipts in ``journal_only``, overtaken before they could be sent).
+        The receipts are queued claimed by our own publisher (``self.sender``), to be
+        handed to it after the commit; answers are queued for any publisher's claim."""
         bodies = [(r, codec.encode(r)) for r in receipts]
         await tx.run_many(
             "p_receipt_insert",
@@ -598,15 +624,36 @@ class Participant:
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
             for r in unjournaled
         ]
-        await tx.run_many("p_outbox_insert", rows)
+        queued = Queued([], bool(answers))
+        if rows:
+            sender = self.sender
+            mine = {
+                r["id"]
+                for r in await tx.rows(
+                    "p_outbox_insert",
+                    {
+                        "rows": db.jsonb(rows),
+                        "holder": sender.holder if sender else None,
+                        "ttl": sender.claim_ttl_s if sender else None,
+                    },
+                )
+            }
+            if sender is None:
+                queued.claimable = queued.claimable or bool(mine)
+            else:
+                queued.handoff = [_handed(r) for r in rows if r["id"] in mine]
         # an answer is (re)sent for every query received, a repeated one included
         await tx.run_many(
             "p_answer_upsert",
             [
-                _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
-                for a in answers
+                {**row, "headers": db.jsonb(row["headers"])}
+                for row in (
+                    _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
+                    for a in answers
+                )
             ],
         )
+        return queued
 
     async def execute(self) -> int:
         """Run the handlers of a batch of accepted commands; returns how many it claimed.
@@ -680,7 +727,7 @@ class Participant:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
             await _complete(tx, [r for r, _ in receipts])
-            await self._emit(tx, [r for r, _ in receipts], trace=trace)
+            queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.run_many(
                 "p_outbox_supersede",
                 [
@@ -699,9 +746,18 @@ class Participant:
                     request_id=[r.request_id for r, _ in receipts],
                     status=[r.status for r, _ in receipts],
                 )
+        self._queued(queued)
         if receipts:
             faults.crash_point("after_effect_before_receipt_sent")
         return done, conflicted
+
+    def _queued(self, queued: Queued) -> None:
+        """After a commit: the receipts it queued claimed by our publisher go to it; the
+        publisher claims from the table when the commit queued rows only a claim finds."""
+        if queued.handoff and self.sender is not None:
+            self.sender.hand(queued.handoff)
+        if queued.claimable:
+            self.outbox_due = True
 
     async def _run_one(
         self, tx: db.Tx, row: dict[str, Any]
@@ -862,17 +918,21 @@ async def serve(
         claim_ttl_s=settings.lease_ttl_s,
         engine=False,
     )
+    part.sender = pub
 
     async def nothing() -> None:
         return None
 
     def kick() -> None:
-        # the executor only when acceptance left it work (its poll covers the rest:
-        # expired claims, deferred handlers); the publisher for every receipt queued
+        # the executor only when acceptance left it work, the publisher's claim only
+        # when the commit queued rows for it (receipts are handed to it directly); the
+        # polls cover the rest: expired claims, deferred handlers, retries
         if part.executor_due:
             part.executor_due = False
             exec_waker.kick()
-        pub_waker.kick()
+        if part.outbox_due:
+            part.outbox_due = False
+            pub_waker.kick()
 
     async def commands_in() -> None:
         await consume.run(
@@ -896,7 +956,8 @@ async def serve(
                 on_fenced=nothing,
                 name="participant.execute",
             )
-            if n:
+            if part.outbox_due:
+                part.outbox_due = False
                 pub_waker.kick()
             if n < settings.batch_size:
                 await exec_waker.wait()

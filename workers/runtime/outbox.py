@@ -6,6 +6,12 @@ and marks a row published — in a second short transaction — only after a pos
 non-returned confirm. A nack, a return or a timeout leaves the row pending, to be
 sent again with backoff under the same message id. No transaction is held open
 while publishing. The same code serves the engine's outbox and a participant's.
+
+A participant's receipts skip the claim: its commit queues them already claimed by its
+own publisher (``p_outbox_insert``) and hands them over after the commit
+(:meth:`OutboxPublisher.hand`), so they leave without a claim transaction or a wake-up.
+Marked the same way; a participant that dies first leaves them claimed until the claim
+expires, and a stopping one gives the claims back.
 """
 
 from __future__ import annotations
@@ -49,6 +55,39 @@ class OutboxPublisher:
         self.claim_ttl_s = claim_ttl_s
         self.engine = engine
         self.holder = lease.holder if lease else f"{owner}-{id(self):x}"
+        # rows its own process committed already claimed by this holder
+        # (``p_outbox_insert``), to send without a claim transaction: see hand()
+        self.handed: list[dict[str, Any]] = []
+        self.ready = asyncio.Event()
+
+    def hand(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Rows committed by this process, already claimed by ``self.holder``, to send
+        next (called after their commit). A row not sent before a crash waits for its
+        claim to expire, then any publisher claims it."""
+        if rows:
+            self.handed.extend(rows)
+            self.ready.set()
+
+    async def release_handed(self) -> None:
+        """At shutdown: give the claims of rows handed over but not sent back, so that
+        a replica (or the next start) sends them at once, not after the claim expiry.
+        Bounded; the claim's expiry covers a database that cannot be reached."""
+        if not self.handed:
+            return
+        ids = [str(r["id"]) for r in self.handed]
+        self.handed = []
+        try:
+            async with asyncio.timeout(db.RELEASE_TIMEOUT_S):
+                async with self.db.transaction() as tx:
+                    await tx.run("outbox_unclaim", {"ids": ids, "holder": self.holder})
+        except (TimeoutError, errors.DatabaseError) as exc:
+            logs.event(
+                "outbox.release_failed",
+                logging.WARNING,
+                owner=self.owner,
+                rows=len(ids),
+                error=str(exc)[:300],
+            )
 
     async def claim(self) -> list[dict[str, Any]]:
         async with self.db.transaction(self.lease) as tx:
@@ -62,14 +101,21 @@ class OutboxPublisher:
                 },
             )
 
-    async def run_once(self) -> int:
-        """One claim → publish → mark cycle; returns how many rows it claimed.
+    async def run_once(self, *, claim: bool = True) -> int:
+        """One claim → publish → mark cycle; returns how many rows it claimed. Rows
+        handed over (:meth:`hand`) go first, without a claim; ``claim=False``: only
+        those.
 
         The mark is fenced by the epoch the claim was made under: a publisher paused
         past its lease (its rows may have been claimed and published by a replica
         since) cannot mark them; it drops the batch and the claims expire."""
         epoch = self.lease.epoch if self.lease else None
-        rows = await self.claim()
+        # handed rows leave the list once marked (sent, or released for a retry): a
+        # unit redone after a failure sends them again, under the same message ids
+        rows = self.handed[: self.batch_size]
+        handed = bool(rows)
+        if not rows and claim:
+            rows = await self.claim()
         if not rows:
             return 0
         outgoing: Sequence[broker.Outgoing] = [
@@ -99,6 +145,8 @@ class OutboxPublisher:
         faults.crash_point("after_confirm_before_mark")
         try:
             await self.mark(rows, outcomes, epoch)
+            if handed:
+                del self.handed[: len(rows)]
         except errors.Fenced as exc:
             # not a lease loss of its own: the loss is counted once, by the lease's
             # keeper taking it back (custody_lease_losses_total{worker})
@@ -191,14 +239,27 @@ async def loop(
     on_fenced: Any,
     worker: str,
 ) -> None:
-    """Claim while there is work; otherwise wait for a NOTIFY or the poll interval."""
+    """Claim while there is work; otherwise wait for a NOTIFY, a kick, rows handed over
+    or the poll interval. Rows handed over are sent without a claim; the table is
+    claimed from after a NOTIFY, a kick or the poll interval (rows that only a claim
+    finds: another process's, retried ones, expired claims)."""
     last_sample = 0.0
-    while not stop.requested:
-        n = await supervisor.redo(
-            pub.run_once, worker=worker, stop=stop, on_fenced=on_fenced, name="outbox.publish"
-        )
-        if time.monotonic() - last_sample > 5:
-            await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
-            last_sample = time.monotonic()
-        if n < pub.batch_size:
-            await waker.wait()
+    claim = True
+    try:
+        while not stop.requested:
+
+            async def once(claim: bool = claim) -> int:
+                return await pub.run_once(claim=claim)
+
+            n = await supervisor.redo(
+                once, worker=worker, stop=stop, on_fenced=on_fenced, name="outbox.publish"
+            )
+            if time.monotonic() - last_sample > 5:
+                await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
+                last_sample = time.monotonic()
+            if pub.handed:
+                claim = False  # handed over while this batch was out: those first
+            elif not (claim and n >= pub.batch_size):
+                claim = await waker.wait(also=pub.ready)
+    finally:
+        await pub.release_handed()

@@ -164,10 +164,27 @@ class Waker:
     def kick(self) -> None:
         self._event.set()
 
-    async def wait(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), self.poll_s)
+    async def wait(self, also: asyncio.Event | None = None) -> bool:
+        """Until a NOTIFY, a kick or the poll interval — or ``also`` is set (which is
+        cleared too). True when woken by the first three (the table may hold work),
+        False when only by ``also``."""
+        if also is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), self.poll_s)
+            self._event.clear()
+            return True
+        waits = [asyncio.ensure_future(self._event.wait()), asyncio.ensure_future(also.wait())]
+        try:
+            done, _ = await asyncio.wait(
+                waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        table = self._event.is_set() or not done  # a kick, or the poll interval
         self._event.clear()
+        also.clear()
+        return table
 
     async def follow(self, listen: Callable[[], Any], *, worker: str = "") -> None:
         """Kick on every notification of ``listen()`` (a db.listen); re-open it after
