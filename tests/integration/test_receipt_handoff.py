@@ -1,0 +1,104 @@
+"""A participant's receipts are queued claimed by its own publisher and handed to it after
+the commit (workers/runtime/outbox.py, ``p_outbox_insert``): no other publisher takes
+them while the claim holds, the claim expires for one that died, and a stopping one gives
+its unsent claims back.
+
+The seed: "Participant completion: the business effect and terminal receipt are
+authoritative", and the broker confirmation boundary: a receipt's row is done only when
+a confirm marked it. A receipt queued and never sent must stay claimable by someone.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+
+from tests.conftest import Env
+from workers.io import broker, db
+from workers.runtime.outbox import OutboxPublisher
+
+SCHEMA = "participant_inventory"
+
+
+@pytest.fixture
+async def database(env: Env) -> AsyncIterator[db.Database]:
+    d = db.Database(
+        db.with_user(env.settings.participant_database_url, "custody_participant_inventory"),
+        schema=SCHEMA,
+        name="test-handoff",
+        max_size=2,
+    )
+    await d.open()
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+def _publisher(database: db.Database, ttl: float) -> OutboxPublisher:
+    return OutboxPublisher(
+        owner="inventory",
+        database=database,
+        lease=None,
+        publisher=cast(broker.Publisher, None),  # nothing is published here
+        batch_size=10,
+        claim_ttl_s=ttl,
+        engine=False,
+    )
+
+
+async def _queue(database: db.Database, holder: str | None, ttl: float) -> list[dict[str, Any]]:
+    rows = [
+        {
+            "id": str(uuid.uuid4()),
+            "exchange": broker.EXCHANGE_RECEIPTS,
+            "routing_key": broker.RECEIPTS_KEY,
+            "body": b"{}",
+            "headers": {},
+            "operation_id": str(uuid.uuid4()),
+        }
+        for _ in range(3)
+    ]
+    async with database.transaction() as tx:
+        mine = await tx.rows(
+            "p_outbox_insert", {"rows": db.jsonb(rows), "holder": holder, "ttl": ttl}
+        )
+    assert {r["id"] for r in mine} == {r["id"] for r in rows}
+    return rows
+
+
+async def test_handed_receipts_are_held_while_claimed_and_given_back_at_a_stop(
+    database: db.Database,
+) -> None:
+    """Receipts queued for our publisher are not claimed by another while the claim
+    holds; given back at a stop, another publisher claims them at once."""
+    ours, other = _publisher(database, ttl=60), _publisher(database, ttl=60)
+    rows = await _queue(database, ours.holder, 60)
+    assert await other.claim() == []  # held for the publisher they were handed to
+
+    ours.hand([{**r, "publish_attempts": 1} for r in rows])
+    await ours.release_handed()
+    assert ours.handed == []
+    assert {str(r["id"]) for r in await other.claim()} == {r["id"] for r in rows}
+
+
+async def test_a_handed_receipt_whose_publisher_died_is_claimed_after_the_claim_expires(
+    database: db.Database,
+) -> None:
+    """A participant that died between its commit and the send leaves its receipts
+    claimed; once the claim expires, any publisher claims and sends them."""
+    rows = await _queue(database, "a-dead-participant", 0.0)
+    claimed = await _publisher(database, ttl=60).claim()
+    assert {str(r["id"]) for r in claimed} == {r["id"] for r in rows}
+
+
+async def test_without_a_holder_receipts_are_queued_for_any_publisher(
+    database: db.Database,
+) -> None:
+    rows = await _queue(database, None, 60)
+    claimed = await _publisher(database, ttl=60).claim()
+    assert {str(r["id"]) for r in claimed} == {r["id"] for r in rows}
+    assert {r["publish_attempts"] for r in claimed} == {1}
