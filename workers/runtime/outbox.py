@@ -17,6 +17,7 @@ expires, and a stopping one gives the claims back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -247,12 +248,12 @@ async def loop(
     claim = True
     try:
         while not stop.requested:
-
-            async def once(claim: bool = claim) -> int:
-                return await pub.run_once(claim=claim)
-
             n = await supervisor.redo(
-                once, worker=worker, stop=stop, on_fenced=on_fenced, name="outbox.publish"
+                functools.partial(pub.run_once, claim=claim),
+                worker=worker,
+                stop=stop,
+                on_fenced=on_fenced,
+                name="outbox.publish",
             )
             if time.monotonic() - last_sample > 5:
                 await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
