@@ -98,6 +98,9 @@ async def test_a_handed_receipt_whose_publisher_died_is_claimed_after_the_claim_
 async def test_without_a_holder_receipts_are_queued_for_any_publisher(
     database: db.Database,
 ) -> None:
+    """A participant runtime without its own publisher (a test's, a tool's) queues its
+    receipts unclaimed: the terminal receipt stays authoritative and any publisher
+    sends it, counted as its first attempt."""
     rows = await _queue(database, None, 60)
     claimed = await _publisher(database, ttl=60).claim()
     assert {str(r["id"]) for r in claimed} == {r["id"] for r in rows}

@@ -642,16 +642,14 @@ class Participant:
                 queued.claimable = queued.claimable or bool(mine)
             else:
                 queued.handoff = [_handed(r) for r in rows if r["id"] in mine]
-        # an answer is (re)sent for every query received, a repeated one included
+        # an answer is (re)sent for every query received, a repeated one included (one
+        # statement per answer: its headers a jsonb parameter of their own)
+        upserts = [
+            _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
+            for a in answers
+        ]
         await tx.run_many(
-            "p_answer_upsert",
-            [
-                {**row, "headers": db.jsonb(row["headers"])}
-                for row in (
-                    _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
-                    for a in answers
-                )
-            ],
+            "p_answer_upsert", [{**u, "headers": db.jsonb(u["headers"])} for u in upserts]
         )
         return queued
 
