@@ -981,5 +981,9 @@ async def serve(
             ]
         )
     finally:
+        # a unit that was committing when the stop came hands its receipts over after
+        # the publisher's loop may have ended: their claims are given back here, once
+        # no loop can hand more, so the next start sends them at once
+        await pub.release_handed()
         await amqp.close()
         await database.close()
