@@ -4,14 +4,17 @@ Postgres.
 The seed: "The participant commits the business effect and the terminal receipt
 together" — and a handler that fails leaves no effect. Each handler of a batch runs
 in its own savepoint, so a failure rolls back that handler's writes only. The
-savepoint is released lazily (with the next one at its depth, or by the commit),
-which saves a round trip per handler; these tests pin that the lazy release changes
-nothing a handler or its batch can see.
+transaction runs in pipeline mode: the savepoint leaves with the handler's first
+statement, and is released lazily (with the next one at its depth, or by the
+commit), so a savepoint costs no round trip of its own; these tests pin that this
+changes nothing a handler or its batch can see. A handler writes through
+``Tx.business``, which waits for its answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,11 @@ class _HandlerBug(Exception):
     pass
 
 
-def _simple_queries(trace: str) -> int:
-    """Statements sent by the simple query protocol in a libpq protocol trace: the
-    savepoint statements (a handler's own statements are bound: Parse/Bind/Execute)."""
-    return sum(1 for line in trace.splitlines() if line.split("\t")[1:4:2] == ["F", "Query"])
+def _round_trips(trace: str) -> int:
+    """The times the client waited for the server in a libpq protocol trace: each
+    turn from messages it sent (F) to answers it read (B)."""
+    directions = [line.split("\t")[1] for line in trace.splitlines() if "\t" in line]
+    return sum(1 for a, b in itertools.pairwise(directions) if (a, b) == ("F", "B"))
 
 
 async def _table(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -42,7 +46,7 @@ async def _table(conn: psycopg.AsyncConnection[Any]) -> None:
 async def _effects_table(env: Env) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     """A connection with an empty table of effects."""
     async with await psycopg.AsyncConnection.connect(
-        env.settings.database_url, row_factory=dict_row
+        env.settings.database_url, row_factory=dict_row, autocommit=True
     ) as conn:
         await _table(conn)
         yield conn
@@ -50,9 +54,12 @@ async def _effects_table(env: Env) -> AsyncIterator[psycopg.AsyncConnection[Any]
 
 @contextlib.asynccontextmanager
 async def _batch(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[db.Tx]:
-    """The transaction of a batch of handlers; it commits on leaving."""
-    async with conn.transaction():
-        yield db.Tx(conn)
+    """The transaction of a batch of handlers, as Database.transaction opens it (in
+    pipeline mode); it commits on leaving."""
+    async with conn.pipeline() as pipeline:
+        await conn.execute("BEGIN")
+        yield db.Tx(conn, pipeline)
+        await conn.execute("COMMIT")
 
 
 async def _effects(conn: psycopg.AsyncConnection[Any]) -> list[int]:
@@ -70,9 +77,9 @@ async def test_a_failing_handler_rolls_back_its_own_writes_only(env: Env) -> Non
             for i in range(10):
                 try:
                     async with tx.savepoint():
-                        await conn.execute("INSERT INTO effects VALUES (%s)", (i,))
+                        await tx.business("INSERT INTO effects VALUES (%s)", (i,))
                         if i == 3:
-                            await conn.execute("SELECT 1 / 0")
+                            await tx.business("SELECT 1 / 0")
                         elif i % 3 == 0:
                             raise RuntimeError("a handler bug")
                 except (RuntimeError, psycopg.errors.DivisionByZero):
@@ -86,30 +93,31 @@ async def test_a_savepoint_inside_a_handler_is_its_own(env: Env) -> None:
     async with _effects_table(env) as conn:
         async with _batch(conn) as tx:
             async with tx.savepoint():
-                await conn.execute("INSERT INTO effects VALUES (1)")
+                await tx.business("INSERT INTO effects VALUES (1)")
                 async with tx.savepoint():
-                    await conn.execute("INSERT INTO effects VALUES (2)")
+                    await tx.business("INSERT INTO effects VALUES (2)")
                 with contextlib.suppress(_HandlerBug):
                     async with tx.savepoint():
-                        await conn.execute("INSERT INTO effects VALUES (3)")
+                        await tx.business("INSERT INTO effects VALUES (3)")
                         raise _HandlerBug
-                await conn.execute("INSERT INTO effects VALUES (4)")
+                await tx.business("INSERT INTO effects VALUES (4)")
             with contextlib.suppress(_HandlerBug):
                 async with tx.savepoint():
-                    await conn.execute("INSERT INTO effects VALUES (5)")
+                    await tx.business("INSERT INTO effects VALUES (5)")
                     async with tx.savepoint():
-                        await conn.execute("INSERT INTO effects VALUES (6)")
+                        await tx.business("INSERT INTO effects VALUES (6)")
                     raise _HandlerBug  # rolls back 5 and its finished inner savepoint, 6
             async with tx.savepoint():
-                await conn.execute("INSERT INTO effects VALUES (7)")
+                await tx.business("INSERT INTO effects VALUES (7)")
         assert await _effects(conn) == [1, 2, 4, 7]
 
 
-async def test_a_batch_of_handlers_costs_one_round_trip_per_savepoint(
+async def test_a_handlers_savepoint_costs_no_round_trip_of_its_own(
     env: Env, tmp_path: Path
 ) -> None:
-    """N handlers cost N savepoint round trips (the release travels with the next
-    savepoint, or with the commit), not 2N."""
+    """N handlers of one statement each cost N round trips in all: each savepoint
+    (and the release of the one before) travels with its handler's statement, not
+    2N (a savepoint's own round trip) or 3N (its release's)."""
     n = 20
     trace = tmp_path / "libpq.trace"
     async with _effects_table(env) as conn:
@@ -119,8 +127,8 @@ async def test_a_batch_of_handlers_costs_one_round_trip_per_savepoint(
                 try:
                     for i in range(n):
                         async with tx.savepoint():
-                            await conn.execute("INSERT INTO effects VALUES (%s)", (i,))
+                            await tx.business("INSERT INTO effects VALUES (%s)", (i,))
                 finally:
                     conn.pgconn.untrace()
-        assert _simple_queries(trace.read_text()) == n
+        assert _round_trips(trace.read_text()) == n
         assert await _effects(conn) == list(range(n))

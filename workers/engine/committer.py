@@ -31,11 +31,11 @@ IE, IS = lifecycle.InstanceEvent, lifecycle.InstanceStatus
 
 
 async def _write_plans(tx: db.Tx, plans: Sequence[activation.Plan]) -> None:
-    await tx.run_many("node_insert", [p.node for p in plans])
-    await tx.run_many("operation_insert", [p.operation.params(db.jsonb) for p in plans])
-    await tx.run_many("attempt_insert", [p.attempt for p in plans])
-    await tx.run_many("outbox_insert", [p.outbox for p in plans])
-    await tx.run_many("history_insert", [p.history.params(db.jsonb) for p in plans])
+    await tx.send_many("node_insert", [p.node for p in plans])
+    await tx.send_many("operation_insert", [p.operation.params(db.jsonb) for p in plans])
+    await tx.send_many("attempt_insert", [p.attempt for p in plans])
+    await tx.send_many("outbox_insert", [p.outbox for p in plans])
+    await tx.send_many("history_insert", [p.history.params(db.jsonb) for p in plans])
 
 
 PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
@@ -123,7 +123,7 @@ class Committer:
             }
             late = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) in tombstoned]
             for d, s in late:
-                await tx.run(
+                await tx.send(
                     "start_tombstone_late",
                     {"tenant": s.tenant, "start_request_id": s.start_request_id},
                 )
@@ -203,9 +203,9 @@ class Committer:
                 )
                 for i in instances
             ]
-            await tx.run_many("history_insert", [h.params(db.jsonb) for h in started])
+            await tx.send_many("history_insert", [h.params(db.jsonb) for h in started])
             await _write_plans(tx, plans)
-            await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
+            await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             if span.recording:
                 _traced(span, plans, [d.message_id for d, _ in valid])
             faults.crash_point("before_commit")
@@ -228,12 +228,14 @@ class Committer:
                 return 0
             await faults.point("successor_claimed")
             ids = list({i["instance_id"] for i in intents})
+            # both sent at once, answered in one round trip
+            finished = await tx.ask("instance_results", {"ids": ids})
+            activated = await tx.ask("node_activations", {"ids": ids})
             results: dict[Any, dict[str, Any]] = {}
-            for r in await tx.rows("instance_results", {"ids": ids}):
+            for r in await finished.rows():
                 results.setdefault(r["instance_id"], {})[r["node"]] = r["result"]
             activations = {
-                (r["instance_id"], r["node"]): r["activation"]
-                for r in await tx.rows("node_activations", {"ids": ids})
+                (r["instance_id"], r["node"]): r["activation"] for r in await activated.rows()
             }
             plans: list[activation.Plan] = []
             history: list[records.History] = []
@@ -251,7 +253,7 @@ class Committer:
                 done.append(intent["id"])
                 if status == IS.SUSPENDED:  # only a definition_missing one is claimed
                     status = lifecycle.next_instance_status(status, IE.RESUME)
-                    await tx.run("instance_resume_from", {"id": iid, "reason": DEFINITION_MISSING})
+                    await tx.send("instance_resume_from", {"id": iid, "reason": DEFINITION_MISSING})
                     history.append(_history(iid, "instance.resumed", cause="definition loaded"))
                 if status != IS.RUNNING and not faults.broken("skip_instance_recheck"):
                     history.append(_history(iid, "successor.suppressed", instance_status=status))
@@ -314,8 +316,8 @@ class Committer:
                 }
             history.extend(h for i, _, h in finishes if i in ended)
             await _write_plans(tx, plans)
-            await tx.run_many("history_insert", [h.params(db.jsonb) for h in history])
-            await tx.run("successor_done", {"ids": done})
+            await tx.send_many("history_insert", [h.params(db.jsonb) for h in history])
+            await tx.send("successor_done", {"ids": done})
             if isinstance(span, otel.Claimed):
                 span.parent(intents[0]["traceparent"])
                 _traced(span, plans, [])
@@ -338,7 +340,7 @@ class Committer:
             version=intent["process_version"],
             error=error[:300],
         )
-        await tx.run(
+        await tx.send(
             "successor_defer", {"id": intent["id"], "delay": self.settings.definition_retry_s}
         )
         if await tx.run("instance_suspend_for", {"id": iid, "reason": DEFINITION_MISSING}):

@@ -86,33 +86,28 @@ class ReceiptConsumer:
             self.db.transaction(self.lease) as tx,
         ):
             op_ids = list({m.operation_id for _, _, m in decoded})
-            rows = {
-                r.id: r
-                for r in map(
-                    records.OperationRow.from_row, await tx.rows("operations_lock", {"ids": op_ids})
-                )
-            }
-            views = {k: r.view() for k, r in rows.items()}
             request_ids = list({x for _, _, m in decoded for x in (m.request_id, m.in_reply_to)})
-            issued = {
-                r["request_id"]: validation.IssuedRequest(**r)
-                for r in await tx.rows("attempts_for", {"ids": request_ids})
-            }
             inner = [r for r in (_inner(m) for _, _, m in decoded) if r is not None]
-            seen = {
-                r["receipt_id"]: r["content_hash"]
-                for r in await tx.rows("receipts_seen", {"ids": [r.receipt_id for r in inner]})
-            }
+            # the lock first, then what the receipts are judged by: sent together (none
+            # depends on another's rows), run in this order, read in one round trip
+            locked = await tx.ask("operations_lock", {"ids": op_ids})
+            attempts = await tx.ask("attempts_for", {"ids": request_ids})
+            receipts_seen = await tx.ask("receipts_seen", {"ids": [r.receipt_id for r in inner]})
+            revisions_seen = await tx.ask(
+                "revisions_seen",
+                {
+                    "operation_id": [r.operation_id for r in inner],
+                    "attempt": [r.attempt for r in inner],
+                    "owner_revision": [r.owner_revision for r in inner],
+                },
+            )
+            rows = {r.id: r for r in map(records.OperationRow.from_row, await locked.rows())}
+            views = {k: r.view() for k, r in rows.items()}
+            issued = {r["request_id"]: validation.IssuedRequest(**r) for r in await attempts.rows()}
+            seen = {r["receipt_id"]: r["content_hash"] for r in await receipts_seen.rows()}
             revisions = {
                 (r["operation_id"], r["attempt"], r["owner_revision"]): r["content_hash"]
-                for r in await tx.rows(
-                    "revisions_seen",
-                    {
-                        "operation_id": [r.operation_id for r in inner],
-                        "attempt": [r.attempt for r in inner],
-                        "owner_revision": [r.owner_revision for r in inner],
-                    },
-                )
+                for r in await revisions_seen.rows()
             }
             await faults.point("receipts_locked")
             for i, d, message in decoded:
@@ -222,23 +217,23 @@ class ReceiptConsumer:
 
 async def _write(tx: db.Tx, w: _Writes) -> None:
     """The batch's writes, in one transaction, in an order that each depends on."""
-    await tx.run_many("quarantine_insert", [q.params(db.jsonb) for q in w.quarantine])
-    await tx.run_many("receipt_record", [r.params() for r in w.receipts])
+    await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in w.quarantine])
+    await tx.send_many("receipt_record", [r.params() for r in w.receipts])
     updates = records.fold_updates(w.updates)
     changed = await tx.run_many("operation_apply", [u.params(db.jsonb) for u in updates])
     if changed != len(updates):
         raise errors.RowChanged("an operation changed under its row lock")
     if w.successors:
         faults.crash_point("receipts_between_result_and_successor")
-    await tx.run_many("node_finish", [n.params() for n in w.nodes])
-    await tx.run_many("successor_insert", [s.params() for s in w.successors])
+    await tx.send_many("node_finish", [n.params() for n in w.nodes])
+    await tx.send_many("successor_insert", [s.params() for s in w.successors])
     for event, query in records.INSTANCE_QUERIES.items():
         changes = [c for c in w.instance if c.event is event]
-        await tx.run_many(query, [c.params() for c in changes if c.history is None])
+        await tx.send_many(query, [c.params() for c in changes if c.history is None])
         for c in changes:
             if c.history is not None and await tx.run(query, c.params()):
-                await tx.run("history_insert", c.history.params(db.jsonb))
-    await tx.run_many("history_insert", [h.params(db.jsonb) for h in w.history])
+                await tx.send("history_insert", c.history.params(db.jsonb))
+    await tx.send_many("history_insert", [h.params(db.jsonb) for h in w.history])
 
 
 def _alert_definition_missing(row: records.OperationRow | None, error: str) -> None:

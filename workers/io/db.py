@@ -134,72 +134,175 @@ def transient(exc: BaseException) -> bool:
 
 
 class Tx:
-    """One open transaction; every statement is a named query."""
+    """One open transaction; every statement is a named query.
 
-    def __init__(self, conn: psycopg.AsyncConnection[Row]) -> None:
+    The transaction runs in libpq's pipeline mode: a statement is sent at once and its
+    answer read only when it is needed. ``rows``, ``one``, ``run`` and ``business``
+    wait for their answer (and so for every statement sent before them); ``send`` and
+    ``send_many`` do not, so the writes at the end of a unit leave in one flight with
+    the fence and the COMMIT (:meth:`Database.transaction`). BEGIN leaves with the
+    first statement. An error of a statement sent without waiting is raised by the
+    next statement that waits, or by the commit: the transaction is rolled back all
+    the same, and nothing it wrote is kept."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Row], pipeline: psycopg.AsyncPipeline) -> None:
         self._conn = conn
+        self._pipeline = pipeline
+        self._unanswered = False  # statements sent whose answers were not read yet
         self._savepoints = 0  # savepoints open (nesting depth)
         self._unreleased: int | None = None  # the depth of a finished, unreleased one
 
+    async def _answers(self) -> None:
+        """Read the answers of everything sent (one round trip): a statement's row
+        count and result are there, and a sent statement's error is raised here."""
+        await self._pipeline.sync()
+        self._unanswered = False
+
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         cur = await self._conn.execute(_q(name), params)
-        return await cur.fetchall()
+        found = await cur.fetchall()
+        self._unanswered = False
+        return found
 
     async def one(self, name: str, params: Params = None) -> Row | None:
         cur = await self._conn.execute(_q(name), params)
-        return await cur.fetchone()
+        found = await cur.fetchone()
+        self._unanswered = False
+        return found
+
+    async def ask(self, name: str, params: Params = None) -> Answer:
+        """A query sent now whose rows are read later (``await answer.rows()``):
+        queries that do not depend on one another's rows leave, and are answered, in
+        one round trip. They run in the order they were sent."""
+        cur = await self._conn.execute(_q(name), params)
+        self._unanswered = True
+        return Answer(self, cur)
 
     async def run(self, name: str, params: Params = None) -> int:
+        """A statement whose row count is returned (so it waits for its answer)."""
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             return await self.run_many(name, [params])
         cur = await self._conn.execute(_q(name), params)
+        await self._answers()
         return cur.rowcount
 
     async def run_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> int:
         """One statement per row (pipelined), or, for a statement that takes
-        ``%(rows)s``, one statement for all the rows (a jsonb array of row objects)."""
-        seq = list(params)
-        if not seq:
+        ``%(rows)s``, one statement for all the rows (a jsonb array of row objects);
+        returns the rows changed (so it waits for the answer)."""
+        cur = await self._send_many(name, list(params))
+        if cur is None:
             return 0
+        await self._answers()
+        return cur.rowcount
+
+    async def send(self, name: str, params: Params = None) -> None:
+        """A write whose answer nobody reads: sent now, answered with what follows."""
+        if sql_files.takes_rows(name) and isinstance(params, Mapping):
+            await self._send_many(name, [params])
+            return
+        await self._conn.execute(_q(name), params)
+        self._unanswered = True
+
+    async def send_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> None:
+        """:meth:`run_many` without waiting for the answer (see :meth:`send`)."""
+        await self._send_many(name, list(params))
+
+    async def _send_many(
+        self, name: str, seq: Sequence[Mapping[str, Any]]
+    ) -> psycopg.AsyncCursor[Row] | None:
+        if not seq:
+            return None
+        self._unanswered = True
         if sql_files.takes_rows(name):
-            cur = await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
-            return cur.rowcount
-        async with self._conn.cursor() as cur:
-            await cur.executemany(_q(name), seq)
-            return cur.rowcount
+            return await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
+        cur = self._conn.cursor()
+        await cur.executemany(_q(name), seq)
+        return cur
 
     async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
         """A participant's own SQL on its own tables, inside this transaction."""
         cur = await self._conn.execute(statement, params)
+        await self._answers()
         return await cur.fetchall() if cur.description else []
 
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
         """A savepoint: an error inside rolls back only what was done inside, and is
-        raised. A savepoint that finished is released lazily, by the next one at its
-        depth (in the same round trip) or by the commit: one round trip per savepoint
-        instead of two, for the executor's and the inline handlers' batches."""
+        raised. Statements sent before it are answered first, so that an error of
+        theirs is never taken for one inside. The savepoint leaves with the first
+        statement inside; a savepoint that finished is released lazily, by the next
+        one at its depth or by the commit."""
         depth = self._savepoints
         name = _SAVEPOINTS[depth] if depth < len(_SAVEPOINTS) else None
         if name is None:
             raise errors.CustodyError(f"savepoints nested deeper than {len(_SAVEPOINTS)}")
+        if self._unanswered:
+            await self._answers()
         if self._unreleased == depth:
-            await self._conn.execute(sql.SQL("RELEASE SAVEPOINT {0}; SAVEPOINT {0}").format(name))
-        else:
-            await self._conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+            await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
+        await _control(self._conn, sql.SQL("SAVEPOINT {}").format(name))
         self._unreleased = None
         self._savepoints = depth + 1
         try:
             yield
         except BaseException:
             self._savepoints, self._unreleased = depth, None
-            await self._conn.execute(
-                sql.SQL("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}").format(name)
-            )
+            # an error aborts the pipeline until a sync: read what is left, then roll
+            # back to the savepoint (its own errors are raised with its answer)
+            with contextlib.suppress(psycopg.Error):
+                await self._pipeline.sync()
+            await _control(self._conn, sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+            await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
+            await self._answers()
             raise
+        if self._unanswered:  # an error inside is raised inside
+            await self._answers()
         # released with the next one at this depth, or with everything at commit (a
         # RELEASE of an outer savepoint releases this one too)
         self._savepoints, self._unreleased = depth, depth
+
+
+class Answer:
+    """The rows of a query sent by :meth:`Tx.ask`, read when they are needed."""
+
+    def __init__(self, tx: Tx, cursor: psycopg.AsyncCursor[Row]) -> None:
+        self._tx = tx
+        self._cursor = cursor
+
+    async def rows(self) -> list[Row]:
+        found = await self._cursor.fetchall()
+        self._tx._unanswered = False  # reading one answer reads all those before it
+        return found
+
+
+_BEGIN: Final = sql.SQL("BEGIN")
+_COMMIT: Final = sql.SQL("COMMIT")
+_ROLLBACK: Final = sql.SQL("ROLLBACK")
+
+
+async def _control(conn: psycopg.AsyncConnection[Any], statement: sql.SQL | sql.Composed) -> None:
+    """A transaction or savepoint command, never prepared nor counted for preparing:
+    psycopg forgets every prepared statement of the session when it sees a ROLLBACK
+    answer to a statement it counts (and DEALLOCATEs them all), which a failed unit or
+    a handler's failure must not cost."""
+    threshold = conn.prepare_threshold
+    conn.prepare_threshold = None
+    try:
+        await conn.execute(statement)
+    finally:
+        conn.prepare_threshold = threshold
+
+
+async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
+    """After a failed last flight (its COMMIT not run): leave the transaction, so the
+    connection goes back to the pool idle. A broken connection is the pool's to drop."""
+    if conn.info.transaction_status in (
+        psycopg.pq.TransactionStatus.INTRANS,
+        psycopg.pq.TransactionStatus.INERROR,
+    ):
+        with contextlib.suppress(psycopg.Error):
+            await _control(conn, _ROLLBACK)
 
 
 _SAVEPOINTS: Final = tuple(sql.Identifier(f"custody_sp_{i}") for i in range(8))
@@ -266,7 +369,7 @@ class Database:
             open=False,
             kwargs={
                 "row_factory": dict_row,
-                "autocommit": False,
+                "autocommit": True,  # transaction() says BEGIN and COMMIT itself
                 "application_name": f"custody-{self.name}",
                 "options": f"-c search_path={self.schema},public",
             },
@@ -362,14 +465,30 @@ class Database:
             async with self._pool.connection() as conn:
                 committing = False
                 try:
-                    async with conn.transaction():
-                        yield Tx(conn)
-                        if lease is not None:
-                            await conn.execute(
-                                "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
-                            )
+                    # pipeline mode (see Tx), on a connection in autocommit mode so that
+                    # psycopg adds no BEGIN, COMMIT or sync of its own: BEGIN leaves with
+                    # the first statement; the writes sent last, the fence and the
+                    # COMMIT leave together when the pipeline closes, answered in one
+                    # round trip, and an error of any of them is raised there
+                    async with conn.pipeline() as pipeline:
+                        await _control(conn, _BEGIN)
+                        try:
+                            yield Tx(conn, pipeline)
+                            if lease is not None:
+                                await conn.execute(
+                                    "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
+                                )
+                        except BaseException:
+                            # an error aborts the pipeline until a sync: read what is
+                            # left, then roll back (answered as the pipeline closes)
+                            with contextlib.suppress(psycopg.Error):
+                                await pipeline.sync()
+                            await _control(conn, _ROLLBACK)
+                            raise
+                        await _control(conn, _COMMIT)
                         committing = True
                 except psycopg.Error as exc:
+                    await _abandon(conn)
                     error = _translate(exc, during_commit=committing)
                     if error.kind in (errors.Retry.RETRY, errors.Retry.IN_DOUBT):
                         self.healthy = False

@@ -341,10 +341,10 @@ class Participant:
                 answered = await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
                 queued.claimable = queued.claimable or answered.claimable
             if reemit:
-                await tx.run("p_reemit_latest", {"ids": reemit})
+                await tx.send("p_reemit_latest", {"ids": reemit})
                 queued.claimable = True
-            await tx.run_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
-            await tx.run_many("p_refused_insert", [r.params() for r in refused])
+            await tx.send_many("p_conflict_insert", [x.params(db.jsonb) for x in conflicts])
+            await tx.send_many("p_refused_insert", [r.params() for r in refused])
             if span.recording:
                 span.set(
                     operation_id=[c.operation_id for _, c in commands if c],
@@ -466,7 +466,7 @@ class Participant:
         if busy:
             return None  # being executed right now: its terminal receipt is the evidence
         if row is None:
-            await tx.run("p_tombstone_insert", {**identity_, "reason": c.reason})
+            await tx.send("p_tombstone_insert", {**identity_, "reason": c.reason})
             won = await tx.rows(
                 "p_inbox_tombstoned",
                 {
@@ -515,7 +515,7 @@ class Participant:
         if hook is not None and not await hook(call):
             return None  # the effect can no longer be prevented: the engine keeps cancelling
         revision = int(row["owner_revision"]) + 1
-        await tx.run(
+        await tx.send(
             "p_inbox_cancel", {"request_id": row["request_id"], "owner_revision": revision}
         )
         return make_receipt(
@@ -598,7 +598,7 @@ class Participant:
         The receipts are queued claimed by our own publisher (``self.sender``), to be
         handed to it after the commit; answers are queued for any publisher's claim."""
         bodies = [(r, codec.encode(r)) for r in receipts]
-        await tx.run_many(
+        await tx.send_many(
             "p_receipt_insert",
             [
                 {
@@ -648,7 +648,7 @@ class Participant:
             _outbox_row(a.answer_id, codec.encode(a), a.operation_id, tp(a.in_reply_to))
             for a in answers
         ]
-        await tx.run_many(
+        await tx.send_many(
             "p_answer_upsert", [{**u, "headers": db.jsonb(u["headers"])} for u in upserts]
         )
         return queued
@@ -726,7 +726,7 @@ class Participant:
             trace = {r.request_id: tp for r, tp in receipts if tp}
             await _complete(tx, [r for r, _ in receipts])
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
-            await tx.run_many(
+            await tx.send_many(
                 "p_outbox_supersede",
                 [
                     {
@@ -810,7 +810,7 @@ class Participant:
                 request_id=row["request_id"],
                 error=repr(failure)[:300],
             )
-            await tx.run("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
+            await tx.send("p_exec_defer", {"request_id": row["request_id"], "delay": done.delay})
             return None, None
         status, effect, result, error = done.status, done.effect, done.result, done.error
         # the inbox row is completed with the batch's other ones (_complete), from this

@@ -80,7 +80,7 @@ class OutboxPublisher:
         try:
             async with asyncio.timeout(db.RELEASE_TIMEOUT_S):
                 async with self.db.transaction() as tx:
-                    await tx.run("outbox_unclaim", {"ids": ids, "holder": self.holder})
+                    await tx.send("outbox_unclaim", {"ids": ids, "holder": self.holder})
         except (TimeoutError, errors.DatabaseError) as exc:
             logs.event(
                 "outbox.release_failed",
@@ -188,7 +188,7 @@ class OutboxPublisher:
                         "requests": [str(r["id"]) for r in submits],
                     },
                 )
-                await tx.run_many(
+                await tx.send_many(
                     "history_insert",
                     [
                         History(
@@ -197,7 +197,7 @@ class OutboxPublisher:
                         for m in moved
                     ],
                 )
-            await tx.run_many(
+            await tx.send_many(
                 "outbox_release",
                 [
                     {
