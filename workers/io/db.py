@@ -248,10 +248,7 @@ class Tx:
             yield
         except BaseException:
             self._savepoints, self._unreleased = depth, None
-            # an error aborts the pipeline until a sync: read what is left, then roll
-            # back to the savepoint (its own errors are raised with its answer)
-            with contextlib.suppress(psycopg.Error):
-                await self._pipeline.sync()
+            await _past_error(self._pipeline)
             await _control(self._conn, sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
             await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
             await self._answers()
@@ -292,6 +289,14 @@ async def _control(conn: psycopg.AsyncConnection[Any], statement: sql.SQL | sql.
         await conn.execute(statement)
     finally:
         conn.prepare_threshold = threshold
+
+
+async def _past_error(pipeline: psycopg.AsyncPipeline) -> None:
+    """After an error inside a unit (or a savepoint): an error aborts the pipeline
+    until a sync, so read what is left (the statements skipped answer with errors of
+    their own, already said), and what follows, a ROLLBACK, runs."""
+    with contextlib.suppress(psycopg.Error):
+        await pipeline.sync()
 
 
 async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -479,11 +484,8 @@ class Database:
                                     "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
                                 )
                         except BaseException:
-                            # an error aborts the pipeline until a sync: read what is
-                            # left, then roll back (answered as the pipeline closes)
-                            with contextlib.suppress(psycopg.Error):
-                                await pipeline.sync()
-                            await _control(conn, _ROLLBACK)
+                            await _past_error(pipeline)
+                            await _control(conn, _ROLLBACK)  # answered as it closes
                             raise
                         await _control(conn, _COMMIT)
                         committing = True

@@ -243,24 +243,23 @@ async def loop(
     """Claim while there is work; otherwise wait for a NOTIFY, a kick, rows handed over
     or the poll interval. Rows handed over are sent without a claim; the table is
     claimed from after a NOTIFY, a kick or the poll interval (rows that only a claim
-    finds: another process's, retried ones, expired claims)."""
+    finds: another process's, retried ones, expired claims). Rows still handed over
+    when it ends are the handing process's to give back (:meth:`release_handed`), once
+    nothing can hand more: a participant's ``serve``."""
     last_sample = 0.0
     claim = True
-    try:
-        while not stop.requested:
-            n = await supervisor.redo(
-                functools.partial(pub.run_once, claim=claim),
-                worker=worker,
-                stop=stop,
-                on_fenced=on_fenced,
-                name="outbox.publish",
-            )
-            if time.monotonic() - last_sample > 5:
-                await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
-                last_sample = time.monotonic()
-            if pub.handed:
-                claim = False  # handed over while this batch was out: those first
-            elif not (claim and n >= pub.batch_size):
-                claim = await waker.wait(also=pub.ready)
-    finally:
-        await pub.release_handed()
+    while not stop.requested:
+        n = await supervisor.redo(
+            functools.partial(pub.run_once, claim=claim),
+            worker=worker,
+            stop=stop,
+            on_fenced=on_fenced,
+            name="outbox.publish",
+        )
+        if time.monotonic() - last_sample > 5:
+            await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
+            last_sample = time.monotonic()
+        if pub.handed:
+            claim = False  # handed over while this batch was out: those first
+        elif not (claim and n >= pub.batch_size):
+            claim = await waker.wait(also=pub.ready)
