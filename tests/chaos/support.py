@@ -13,6 +13,8 @@ from typing import Any
 
 from workers.settings import ROOT
 
+CLEANUP_S = 90.0  # a run stopped by SIGTERM: time to stop its fleet and services
+
 
 def workdir(name: str) -> Path:
     """A fresh work dir under the repository's ``.chaos/`` (the private Postgres runs as
@@ -28,16 +30,28 @@ def chaos(
 ) -> tuple[int, str, dict[str, Any]]:
     """Exit code, output and report of one run (its seed is in ``args``)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CUSTODY_")}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "chaos", *args, "--workdir", str(workdir)],
         cwd=ROOT,
         env={**clean, **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
     )
-    output = proc.stdout + proc.stderr
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: the run then stops its fleet and its private Postgres and
+        # RabbitMQ as on Ctrl-C; killed, it would leave them running (and taking the
+        # cores) for the rest of the suite
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=CLEANUP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        stderr += f"\n[the run did not finish within {timeout:g}s: stopped by SIGTERM]"
+    output = stdout + stderr
     reports = sorted(workdir.glob("*/report.json"))
     report = json.loads(reports[-1].read_text()) if reports else {}
     return proc.returncode, output, report

@@ -41,7 +41,7 @@ def _seed(kinds: str, scale: float, must: Callable[[schedule.Fault], bool] | Non
 
 @pytest.mark.chaos
 @pytest.mark.chaos_selftest
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)  # 290 s, then up to 90 s to stop a run
 @pytest.mark.parametrize("build", sorted(CASES))
 def test_a_broken_build_makes_the_chaos_run_fail(build: str, tmp_path: Path) -> None:
     kinds, scale, must, category, port = CASES[build]
