@@ -27,8 +27,12 @@ demo: install services
 test-tools:
 	bash scripts/install-test-tools.sh
 
+# Two test processes (pytest-xdist): every test has its own databases and vhost, so
+# they share nothing but the servers; the chaos tier (fixed ports) stays on one.
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install services test-tools chaos-tools
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The tier that needs no service (no Postgres, no RabbitMQ): pure code, the deploy
 # files, the layers; the JSON-schema checks use check-jsonschema from .venv-tools.

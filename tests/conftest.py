@@ -80,15 +80,19 @@ def templates(services: None) -> Iterator[tuple[str, str]]:
         database_url=database_url(engine_tpl),
         participant_database_url=database_url(part_tpl),
     )
-    asyncio.run(provision.migrate(settings, participants=True))
-    # each operator its own login role; "mallory" can log in and is no operator
-    asyncio.run(provision.sync_operators(settings, settings.operators_file, create_logins=True))
-    admin_execute(
-        sql.SQL(
-            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mallory') "
-            "THEN CREATE ROLE mallory LOGIN; END IF; END $$"
+    # roles are the cluster's, not a database's: the test processes (pytest-xdist) create
+    # them one at a time, or two "IF NOT EXISTS" checks race to the same CREATE ROLE
+    with psycopg.connect(PG_ADMIN, autocommit=True) as lock:
+        lock.execute("SELECT pg_advisory_lock(hashtext('custody tests: roles'))")
+        asyncio.run(provision.migrate(settings, participants=True))
+        # each operator its own login role; "mallory" can log in and is no operator
+        asyncio.run(provision.sync_operators(settings, settings.operators_file, create_logins=True))
+        admin_execute(
+            sql.SQL(
+                "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'mallory') "
+                "THEN CREATE ROLE mallory LOGIN; END IF; END $$"
+            )
         )
-    )
     yield engine_tpl, part_tpl
     for name in (engine_tpl, part_tpl):
         admin_execute(
