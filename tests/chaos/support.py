@@ -45,12 +45,14 @@ def chaos(
         # RabbitMQ as on Ctrl-C; killed, it would leave them running (and taking the
         # cores) for the rest of the suite
         proc.terminate()
+        how = "stopped by SIGTERM"
         try:
             stdout, stderr = proc.communicate(timeout=CLEANUP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
-        stderr += f"\n[the run did not finish within {timeout:g}s: stopped by SIGTERM]"
+            how = f"killed, {CLEANUP_S:g}s after SIGTERM"
+        stderr += f"\n[the run did not finish within {timeout:g}s: {how}]"
     output = stdout + stderr
     reports = sorted(workdir.glob("*/report.json"))
     report = json.loads(reports[-1].read_text()) if reports else {}
