@@ -182,6 +182,22 @@ class Operator:
             "chaos settle: outcome unknown, asking the pinned executor (runbook)",
         )
 
+    async def reconcile_unknown(self) -> tuple[int, str]:
+        """The runbook's batch form: every operation still outcome_unknown, in one process
+        (exit 3 when one of them was settled by a receipt in the meantime)."""
+        return await self(
+            "operations",
+            "reconcile",
+            "--status",
+            "outcome_unknown",
+            "--limit",
+            "10000",
+            "--yes",
+            "--reason",
+            "chaos settle: outcome unknown, asking the pinned executors (runbook, batch)",
+            timeout=300.0,
+        )
+
     async def cancel(self, instance_id: str) -> tuple[int, str]:
         return await self("cancel", instance_id, "--reason", "chaos: cancellation race")
 
