@@ -168,9 +168,12 @@ class Operator:
         }
         argv = list(args)
         code, out = await self._cli(argv, env, timeout)
-        key = f"{args[0]}:{code}"
+        # exit 2 is a usage error (the harness's bug) but also, as documented, a refused
+        # connection: the operator's command ran into a Postgres restart, not a misuse
+        unreachable = code == 2 and "cannot connect to" in out
+        key = f"{args[0]}:{'unreachable' if unreachable else code}"
         self.done[key] = self.done.get(key, 0) + 1
-        if code not in (0, 3, 4) and len(self.failures) < 20:
+        if code not in (0, 3, 4) and not unreachable and len(self.failures) < 20:
             self.failures.append(f"{' '.join(args)} -> {code}: {out.strip()[-300:]}")
         return code, out
 
