@@ -76,7 +76,7 @@ async def running(settings: Settings, worker: str, health: probes.Health) -> Asy
     await database.open()
     try:
         await amqp.connect()
-        await database.acquire(lease)
+        await database.first_lease(lease)
         health.checks["broker"] = lambda: amqp.connected
         health.checks["database"] = lambda: database.healthy
         yield Context(settings, worker, database, amqp, lease, table, catalog)

@@ -513,6 +513,37 @@ class Database:
         lease.epoch = int(row["epoch"])
         return lease.epoch
 
+    async def first_lease(self, lease: Lease) -> int:
+        """The lease at start-up. Postgres may have gone away since the pool opened (it
+        restarted while the broker was still being waited for, and the pooled
+        connection is dead): in a worker that is waited for as at :meth:`open`, with a
+        ``database.connect_retry`` event per attempt (phase ``lease``); elsewhere, and
+        for a wrong deployment, the failure is raised."""
+        patience = startup.current()
+        waiting = patience.waiting_for("database") if patience.wait else contextlib.nullcontext()
+        attempt = 0
+        with waiting:
+            while True:
+                try:
+                    return await self.acquire(lease)
+                except errors.DatabaseError as exc:
+                    if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN) or not patience.wait:
+                        raise
+                    delay = backoff.full_jitter(attempt)
+                    attempt += 1
+                    patience.waiting["database"] = str(exc)[:300]
+                    patience.report(
+                        "database.connect_retry",
+                        logging.WARNING,
+                        worker=self.name,
+                        node=_address(self.url),
+                        phase="lease",
+                        attempt=attempt,
+                        retry_in_s=round(delay, 3),
+                        error=str(exc)[:300],
+                    )
+                    await asyncio.sleep(delay)
+
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it had already expired (we were a zombie)."""
         async with self.transaction() as tx:
