@@ -328,16 +328,15 @@ async def run_chaos(cfg: Config) -> int:
                 # CLI process for all of them instead of one per operation (each costs
                 # about 0.7 s of CPU to start); it reconciles every outcome_unknown
                 # operation, the few not yet due included
-                chunks = [list(snap["unknown"])]
+                acted = list(snap["unknown"])
                 await operator.reconcile_unknown()
             else:
-                chunks = [due[i : i + 4] for i in range(0, len(due), 4)]
-                for chunk in chunks:
-                    await asyncio.gather(*(operator.reconcile(op) for op in chunk))
-            for chunk in chunks:
-                for op in chunk:
-                    n, _ = reconciled.get(op, (0, 0.0))
-                    reconciled[op] = (n + 1, time.monotonic())
+                acted = due
+                for i in range(0, len(due), 4):
+                    await asyncio.gather(*(operator.reconcile(op) for op in due[i : i + 4]))
+            for op in acted:
+                n, _ = reconciled.get(op, (0, 0.0))
+                reconciled[op] = (n + 1, time.monotonic())
             ops = snap["operations"]
             busy = (
                 sum(ops.get(s, 0) for s in BUSY)

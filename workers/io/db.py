@@ -20,10 +20,18 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, LiteralString
+from typing import TYPE_CHECKING, Any, Final, LiteralString, TypeVar
 
 import orjson
 import psycopg
@@ -273,6 +281,8 @@ class Answer:
         return found
 
 
+_T = TypeVar("_T")
+
 _BEGIN: Final = sql.SQL("BEGIN")
 _COMMIT: Final = sql.SQL("COMMIT")
 _ROLLBACK: Final = sql.SQL("ROLLBACK")
@@ -389,34 +399,16 @@ class Database:
         attempt; elsewhere the first failure is raised (``Retry.RETRY``). A refused login
         (see :func:`login_refused`) is a :class:`ConfigError` at once, everywhere."""
         sql_files.queries()  # a missing or broken SQL file stops a worker at start-up
-        patience = startup.current()
-        waiting = patience.waiting_for("database") if patience.wait else contextlib.nullcontext()
-        attempt = 0
-        with waiting:
-            while True:
-                try:
-                    await self._probe()
-                    await self._open_pool()
-                    break
-                except errors.DatabaseError as exc:
-                    if exc.kind is not errors.Retry.RETRY or not patience.wait:
-                        raise
-                    self._pool = self._new_pool()  # a pool that timed out is closed for good
-                    delay = backoff.full_jitter(attempt)
-                    attempt += 1
-                    patience.waiting["database"] = str(exc)[:300]
-                    patience.report(
-                        "database.connect_retry",
-                        logging.WARNING,
-                        worker=self.name,
-                        node=_address(self.url),
-                        phase="start",
-                        attempt=attempt,
-                        retry_in_s=round(delay, 3),
-                        error=str(exc)[:300],
-                    )
-                    await asyncio.sleep(delay)
-        patience.report(
+
+        async def connect() -> None:
+            await self._probe()
+            await self._open_pool()
+
+        def fresh_pool() -> None:
+            self._pool = self._new_pool()  # a pool that timed out is closed for good
+
+        _, attempt = await self._waited("start", connect, {errors.Retry.RETRY}, fresh_pool)
+        startup.current().report(
             "database.connected",
             worker=self.name,
             node=_address(self.url),
@@ -519,16 +511,35 @@ class Database:
         connection is dead): in a worker that is waited for as at :meth:`open`, with a
         ``database.connect_retry`` event per attempt (phase ``lease``); elsewhere, and
         for a wrong deployment, the failure is raised."""
+        epoch, _ = await self._waited(
+            "lease", lambda: self.acquire(lease), {errors.Retry.RETRY, errors.Retry.IN_DOUBT}
+        )
+        return epoch
+
+    async def _waited(
+        self,
+        phase: str,
+        attempt_once: Callable[[], Awaitable[_T]],
+        waited_out: Collection[errors.Retry],
+        after_failure: Callable[[], None] | None = None,
+    ) -> tuple[_T, int]:
+        """``attempt_once`` until it gets through, and how many attempts failed. In a
+        worker (start-up patience) a failure of a kind in ``waited_out`` is waited out:
+        a full-jitter backoff, ``/readyz`` saying why, a ``database.connect_retry``
+        event per attempt. Any other failure, and any failure outside a worker, is
+        raised."""
         patience = startup.current()
         waiting = patience.waiting_for("database") if patience.wait else contextlib.nullcontext()
         attempt = 0
         with waiting:
             while True:
                 try:
-                    return await self.acquire(lease)
+                    return await attempt_once(), attempt
                 except errors.DatabaseError as exc:
-                    if exc.kind in (errors.Retry.FATAL, errors.Retry.BROKEN) or not patience.wait:
+                    if exc.kind not in waited_out or not patience.wait:
                         raise
+                    if after_failure is not None:
+                        after_failure()
                     delay = backoff.full_jitter(attempt)
                     attempt += 1
                     patience.waiting["database"] = str(exc)[:300]
@@ -537,7 +548,7 @@ class Database:
                         logging.WARNING,
                         worker=self.name,
                         node=_address(self.url),
-                        phase="lease",
+                        phase=phase,
                         attempt=attempt,
                         retry_in_s=round(delay, 3),
                         error=str(exc)[:300],
