@@ -50,6 +50,22 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
     await publish_starts(env.settings, [order(i) for i in range(n)])
 
     holder = await freeze_past_lease(env, zombie, "publisher")
+
+    async def claims_expired() -> bool:
+        # a claim outlives the lease by up to a third of its TTL (it was taken after the
+        # last renewal); a replica started before it expires can find the operations
+        # settled by then, and the woken zombie marks its rows itself (a fresh-clone run
+        # under load saw no row taken over)
+        return (
+            await env.scalar(
+                "SELECT count(*) FROM custody.outbox WHERE claimed_by LIKE %s"
+                " AND claim_expires_at >= clock_timestamp()",
+                (holder,),
+            )
+            == 0
+        )
+
+    await wait_until(claims_expired, timeout=30, what="the frozen publisher's claims to expire")
     crew.start("publisher")  # the replica
     await crew.wait(all_finished(env, n), timeout=60, what="the replica to finish the work")
 
