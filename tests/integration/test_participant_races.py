@@ -716,3 +716,105 @@ async def test_a_fast_handler_completes_in_its_acceptance_transaction(env: Env) 
         )
         == 1
     )
+
+
+async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_savepoint_of_its_own(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": a handler that fails leaves no effect, whether it failed before or
+    after it wrote, and the others of its batch keep theirs, each once. Handlers run
+    without a savepoint of their own (two statements per command): one that fails
+    before writing had nothing to undo; one that fails after it wrote rolls back the
+    whole acceptance transaction, which runs again at once with that operation's
+    handlers in savepoints — for its next runs too, not for the other operations."""
+    reserves = [submit() for _ in range(10)]
+    releases = [submit(operation="inventory.release") for _ in range(4)]
+    cmds = [*reserves[:5], *releases[:2], *reserves[5:], *releases[2:]]
+    refused_early, refused_late = reserves[3], releases[1]
+
+    async def reserve(call: Call) -> Mapping[str, Any]:
+        if call.request_id == refused_early.request_id:
+            raise service.BusinessFailure("out_of_stock", "refused before any write")
+        return await samples.reserve(call)
+
+    async def release(call: Call) -> Mapping[str, Any]:
+        result = await samples.release(call)
+        if call.request_id == refused_late.request_id:
+            raise service.BusinessFailure("release_refused", "refused after its writes")
+        return result
+
+    savepoints = 0
+    opened_savepoint = db.Tx.savepoint
+
+    def counted_savepoint(self: db.Tx) -> Any:
+        nonlocal savepoints
+        savepoints += 1
+        return opened_savepoint(self)
+
+    monkeypatch.setattr(db.Tx, "savepoint", counted_savepoint)
+    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
+    before = await env.scalar(stock, participant=True)
+
+    part_db = _database(env, "inventory-inline")
+    await part_db.open()
+    opened = part_db.transaction
+    transactions = 0
+
+    @contextlib.asynccontextmanager
+    async def counted(*args: Any, **kwargs: Any) -> AsyncIterator[db.Tx]:
+        nonlocal transactions
+        transactions += 1
+        async with opened(*args, **kwargs) as tx:
+            yield tx
+
+    part_db.transaction = counted  # type: ignore[method-assign]
+    try:
+        participant = service.Participant(
+            ME,
+            {"inventory.reserve": reserve, "inventory.release": release},
+            env.participant_settings("inventory"),
+            part_db,
+            inline=frozenset({"inventory.reserve", "inventory.release"}),
+        )
+        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
+            assert await participant.accept(ds) == ["accepted"] * len(cmds)
+        assert transactions == 2, "the first run rolled back whole, the second committed"
+        assert savepoints == len(releases), "a savepoint for each release of the second run"
+
+        # the next batch: the releases keep their savepoints, the reserves go without
+        more = [submit(), submit(operation="inventory.release"), submit()]
+        savepoints = transactions = 0
+        async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
+            assert await participant.accept(ds) == ["accepted"] * len(more)
+        assert (transactions, savepoints) == (1, 1)
+    finally:
+        await part_db.close()
+
+    statuses = {c.request_id: await _status(env, c.request_id) for c in [*cmds, *more]}
+    assert statuses.pop(refused_early.request_id) == "failed"
+    assert statuses.pop(refused_late.request_id) == "failed"
+    assert set(statuses.values()) == {"succeeded"}
+    reserved = await env.scalar(
+        f"SELECT count(*) FROM {SCHEMA}.reservations WHERE operation_id = ANY(%s)",
+        ([c.operation_id for c in [*cmds, *more]],),
+        participant=True,
+    )
+    released = await env.sql(
+        f"SELECT operation_id FROM {SCHEMA}.releases WHERE operation_id = ANY(%s)",
+        ([c.operation_id for c in [*cmds, *more]],),
+        participant=True,
+    )
+    assert reserved == len(reserves) - 1 + 2
+    assert sorted(str(r[0]) for r in released) == sorted(
+        c.operation_id for c in [*releases, more[1]] if c is not refused_late
+    ), "each effect once; none of the handler that failed after writing"
+    after = await env.scalar(stock, participant=True)
+    assert after == before - 2 * (len(reserves) - 1 + 2) + 2 * (len(releases) - 1 + 1)
+    receipts = {
+        r.request_id: r
+        for r in await _outbox(env)
+        if r.request_id in {refused_early.request_id, refused_late.request_id}
+        and r.status == "failed"
+    }
+    assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2

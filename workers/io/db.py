@@ -159,6 +159,9 @@ class Tx:
         self._unanswered = False  # statements sent whose answers were not read yet
         self._savepoints = 0  # savepoints open (nesting depth)
         self._unreleased: int | None = None  # the depth of a finished, unreleased one
+        # statements sent in it so far (savepoint commands included): a participant
+        # tells by it whether a handler that failed wrote anything
+        self.statements = 0
 
     async def _answers(self) -> None:
         """Read the answers of everything sent (one round trip): a statement's row
@@ -167,12 +170,14 @@ class Tx:
         self._unanswered = False
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
+        self.statements += 1
         cur = await self._conn.execute(_q(name), params)
         found = await cur.fetchall()
         self._unanswered = False
         return found
 
     async def one(self, name: str, params: Params = None) -> Row | None:
+        self.statements += 1
         cur = await self._conn.execute(_q(name), params)
         found = await cur.fetchone()
         self._unanswered = False
@@ -182,6 +187,7 @@ class Tx:
         """A query sent now whose rows are read later (``await answer.rows()``):
         queries that do not depend on one another's rows leave, and are answered, in
         one round trip. They run in the order they were sent."""
+        self.statements += 1
         cur = await self._conn.execute(_q(name), params)
         self._unanswered = True
         return Answer(self, cur)
@@ -190,6 +196,7 @@ class Tx:
         """A statement whose row count is returned (so it waits for its answer)."""
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             return await self.run_many(name, [params])
+        self.statements += 1
         cur = await self._conn.execute(_q(name), params)
         await self._answers()
         return cur.rowcount
@@ -209,6 +216,7 @@ class Tx:
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             await self._send_many(name, [params])
             return
+        self.statements += 1
         await self._conn.execute(_q(name), params)
         self._unanswered = True
 
@@ -221,6 +229,7 @@ class Tx:
     ) -> psycopg.AsyncCursor[Row] | None:
         if not seq:
             return None
+        self.statements += 1
         self._unanswered = True
         if sql_files.takes_rows(name):
             return await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
@@ -230,6 +239,7 @@ class Tx:
 
     async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
         """A participant's own SQL on its own tables, inside this transaction."""
+        self.statements += 1
         cur = await self._conn.execute(statement, params)
         await self._answers()
         return await cur.fetchall() if cur.description else []
@@ -249,6 +259,7 @@ class Tx:
             await self._answers()
         if self._unreleased == depth:
             await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
+        self.statements += 1
         await _control(self._conn, sql.SQL("SAVEPOINT {}").format(name))
         self._unreleased = None
         self._savepoints = depth + 1

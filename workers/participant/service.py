@@ -5,32 +5,31 @@ It owns two commit boundaries in the participant's own database:
 * *acceptance*: a batch of commands is retained (inbox row with its identity and
   semantic digest, plus an ``accepted`` receipt in the participant's outbox) in one
   transaction; the deliveries are acked only after that commit;
-* *completion*: the business effect and the terminal receipt commit together; each
-  handler runs in a savepoint, and the handlers of a claimed batch share a
-  transaction up to a small time budget (the batch is *claimed* in a short
-  transaction of its own: acceptance never waits behind a running handler).
+* *completion*: the business effect and the terminal receipt commit together; the
+  handlers of a claimed batch share a transaction up to a small time budget (the
+  batch is *claimed* in a short transaction of its own: acceptance never waits behind
+  a running handler).
 
-A participant may declare some operations *inline*: handlers fast enough to run in
-the acceptance transaction itself. Both durable facts then commit together before the
-ack (inbox row, effect, terminal receipt); the ``accepted`` receipt is journaled but
-never sent. A handler that fails with a bug, or meets a transient conflict, leaves
-its command accepted for the executor, as if it had not been inline.
-
-A repeated command with the same digest gets the existing receipt again (same id,
-same bytes) and never runs the handler again; the same identity with a different
-digest is a conflict, recorded and answered, never executed. Receipts leave through
-the participant's own outbox publisher, under the participant's broker user.
+A handler that fails leaves no effect, and the others of its batch keep theirs. A
+handler runs without a savepoint of its own (two statements per command, a fifth of
+a participant's work): one that fails before it wrote anything had nothing to undo,
+and one that fails after it wrote rolls back its whole unit, which runs again at once
+with that operation's handlers each in a savepoint (for its next ``CAREFUL_RUNS``
+commands, twice as many after each further redo), the way every handler ran before.
+Nothing of the first run is kept: the deliveries of an acceptance are acked only after
+the commit of the run that stands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from contracts import codec, identity
 from contracts.models import (
@@ -65,6 +64,26 @@ class _Conflict(Exception):
     the batch's transaction commits what ran before it."""
 
 
+class _Redo(Exception):
+    """A handler run without a savepoint failed after it had written: its writes cannot
+    be undone alone, so the unit's transaction is rolled back whole and the unit runs
+    again, with this operation's handlers in savepoints."""
+
+    def __init__(self, operation: str, request_id: str, error: BaseException) -> None:
+        super().__init__(operation)
+        self.operation = operation
+        self.request_id = request_id
+        self.error = error
+
+
+# after a handler failed with writes of its own, the next runs of its operation each
+# get a savepoint (a failure then costs a rolled-back savepoint, not a rolled-back
+# unit): 256 runs, doubled at each redo of the same operation (one that often fails
+# after writing keeps its savepoints; a redo costs its whole unit), up to 65,536
+CAREFUL_RUNS = 256
+CAREFUL_RUNS_MAX = 65_536
+
+
 @dataclass(frozen=True)
 class Call:
     """What a handler gets: the command's identity and input, and the transaction in
@@ -83,6 +102,7 @@ Handler = Callable[[Call], Awaitable[Mapping[str, Any]]]
 # May the accepted, not yet completed command still be prevented? (default: yes — its
 # handler has not run, so there is no effect to undo)
 CancelHook = Callable[[Call], Awaitable[bool]]
+_U = TypeVar("_U")
 
 
 @dataclass(frozen=True)
@@ -181,9 +201,36 @@ class Participant:
         # set by a commit that queued rows only a claim of the table finds (answers,
         # re-emitted receipts; every row when there is no sender)
         self.outbox_due = False
+        # operation -> runs left that get a savepoint each, and the last window given
+        # (see _Redo)
+        self._careful: dict[str, int] = {}
+        self._careful_window: dict[str, int] = {}
+
+    async def _redone(self, unit: Callable[[], Awaitable[_U]]) -> _U:
+        """Run ``unit`` (one transaction that runs handlers) until no handler run
+        without a savepoint failed after it wrote. Each redo marks one more operation
+        careful, and a careful run never asks for a redo: it ends."""
+        while True:
+            try:
+                return await unit()
+            except _Redo as redo:
+                last = self._careful_window.get(redo.operation)
+                window = CAREFUL_RUNS if last is None else min(2 * last, CAREFUL_RUNS_MAX)
+                self._careful_window[redo.operation] = window
+                self._careful[redo.operation] = window
+                logs.event(
+                    "participant.handler_redo",
+                    owner=self.me.owner,
+                    operation=redo.operation,
+                    request_id=redo.request_id,
+                    error=repr(redo.error)[:300],
+                )
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
+        return await self._redone(lambda: self._accept(deliveries))
+
+    async def _accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         decisions: list[acceptance.Verdict] = []
         receipts: list[OperationReceipt] = []
         refused: list[records.Refusal] = []
@@ -685,7 +732,7 @@ class Participant:
             for c in sorted(claimed, key=lambda r: (r["accepted_at"], r["request_id"]))
         ]
         while todo:
-            done, conflicted = await self._execute_some(todo)
+            done, conflicted = await self._redone(functools.partial(self._execute_some, todo))
             todo = todo[done:]
             if conflicted:
                 break  # the rest keep this executor's claim: the next batch retakes them
@@ -779,6 +826,11 @@ class Participant:
         traced = otel.handler(
             row["operation"], row["traceparent"], names.participant_worker(self.me.owner)
         )
+        operation = row["operation"]
+        careful = self._careful.get(operation, 0)
+        if careful:
+            self._careful[operation] = careful - 1
+        written = tx.statements
         try:
             with traced:
                 if traced.recording:
@@ -787,10 +839,17 @@ class Participant:
                         request_id=row["request_id"],
                         attempt=row["attempt"],
                     )
-                async with tx.savepoint():
+                if careful:
+                    async with tx.savepoint():
+                        result = await handler(call)
+                        faults.crash_point("mid_effect")
+                else:
                     result = await handler(call)
                     faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
+            if not careful and tx.statements != written:
+                # it wrote (or its statement failed, which aborts the transaction)
+                raise _Redo(operation, row["request_id"], exc) from exc
             if db.transient(exc):
                 logs.event(
                     "participant.handler_conflict",
