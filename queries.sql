@@ -138,6 +138,7 @@ UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = n
  WHERE id = %(id)s AND status = 'suspended' AND suspended_reason = %(reason)s;
 
 -- name: instance_results
+-- planned per execution: a batch's rows of a growing table by their keys
 SELECT instance_id, node, result FROM operations
  WHERE instance_id = ANY(%(ids)s) AND status = 'succeeded'
  ORDER BY instance_id, node, activation;
@@ -218,6 +219,7 @@ SELECT count(*) FILTER (WHERE NOT held) AS pending,
   FROM outbox_pending_rows;
 
 -- name: operations_dispatched
+-- planned per execution: a batch's rows of a growing table by their keys
 -- The confirm mark never moves an operation backward; the deadline clock starts here.
 -- Only a submit's confirm dispatches (the caller passes the confirmed submits' request
 -- ids, i.e. outbox ids, and their operation ids), and only the submit of the
@@ -236,6 +238,7 @@ RETURNING o.id, o.instance_id;
 -- Receipt consumer: a batch of receipts and cancellations applied in one transaction ------
 
 -- name: operations_lock
+-- planned per execution: a batch's rows of a growing table by their keys
 SELECT o.id, o.tenant, o.instance_id, o.node, o.operation, o.route, o.owner, o.principal,
        o.binding, o.input, o.attempt, o.status, o.effect, o.owner_revision, o.receipt_hash,
        o.lineage, o.created_at, i.status::text AS instance_status
@@ -252,6 +255,7 @@ SELECT request_id::text, operation_id::text, attempt, kind, digest
 SELECT receipt_id::text, content_hash FROM receipt_inbox WHERE receipt_id = ANY(%(ids)s);
 
 -- name: revisions_seen
+-- planned per execution: a batch's rows of a growing table by their keys
 -- Every (operation, attempt, owner revision) already recorded, with its content.
 SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_inbox
  WHERE (operation_id, attempt, owner_revision) IN (
@@ -269,6 +273,7 @@ SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.co
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: operation_apply
+-- planned per execution: a batch's rows of a growing table by their keys
 -- One statement for the batch's changes, each operation at most once (the caller folds
 -- an operation's changes in one batch into one: records.fold_updates), each guarded by
 -- the status it was judged from: a row count below the changes' is a row changed under

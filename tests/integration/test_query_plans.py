@@ -12,18 +12,20 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any, LiteralString
 
 import psycopg
+import psycopg.types.json
 import pytest
 from psycopg import sql as pg_sql
 
 from tests.conftest import admin_execute, database_url
 from workers import provision
 from workers.engine import retention as engine_retention
-from workers.io import sql
+from workers.io import db, sql
 from workers.participant import retention as participant_retention
 
 ROWS = 20_000  # settled rows per table; one in a hundred is live
@@ -413,3 +415,107 @@ def test_a_hot_path_statement_reaches_a_row_by_its_key_whatever_the_statistics(
             if n.get("Relation Name") == relation and n["Node Type"] != "ModifyTable"
         }
         assert reads == {index}, f"{name} ({kind}) reads {relation} through {reads}: {plan}"
+
+
+def _placeholders(statement: str) -> str:
+    """A statement with its parameters as ``$``, as psycopg's (``%(name)s``) and as the
+    server keeps it (``$1``)."""
+    return re.sub(r"%\(\w+\)s|\$\d+", "$", statement)
+
+
+def _batch_rows(**row: Any) -> Any:
+    return psycopg.types.json.Jsonb([row])
+
+
+# name -> (relation, the only index it may be read through, parameters): a batch's
+# statements that reach the rows of a growing table by their keys, planned per execution
+PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "instance_results": (
+        "operations",
+        "operations_instance",
+        {"ids": [uuid.uuid4()]},
+    ),
+    "operations_dispatched": (
+        "operations",
+        "operations_pkey",
+        {"ids": [uuid.uuid4()], "requests": [uuid.uuid4()]},
+    ),
+    "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
+    "revisions_seen": (
+        "receipt_inbox",
+        "receipt_inbox_revision",
+        {"operation_id": [uuid.uuid4()], "attempt": [1], "owner_revision": [2]},
+    ),
+    "operation_apply": (
+        "operations",
+        "operations_pkey",
+        {"rows": _batch_rows(id=str(uuid.uuid4()), expected="pending", status="dispatched")},
+    ),
+}
+
+
+@pytest.fixture
+def growing(templates: tuple[str, str]) -> Iterator[str]:
+    """An engine database of its own, young (empty, never analysed), for a test that
+    then fills it."""
+    name = f"custody_growing_{uuid.uuid4().hex[:10]}"
+    admin_execute(
+        pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            pg_sql.Identifier(name), pg_sql.Identifier(templates[0])
+        )
+    )
+    try:
+        yield database_url(name)
+    finally:
+        admin_execute(
+            pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
+        )
+
+
+async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_it_is_now(
+    growing: str,
+) -> None:
+    """The bench's burst on a new deployment found the receipts' ``operation_apply`` and
+    ``operations_lock``, the committer's ``instance_results`` and
+    the publisher's ``operations_dispatched`` reading their tables in full (or every
+    pending operation) once per batch, 10 to 15 ms each and growing: plans prepared in the
+    first seconds, when a full read of a nearly empty table was the cheapest, and kept
+    while the table grew, until the next ANALYZE. These statements are never prepared
+    (the worker's own transaction, past psycopg's prepare threshold, leaves no prepared
+    statement for them, while an ordinary one is prepared), and planned for each
+    execution they reach the rows by their keys on a table that grew since it was last
+    analysed."""
+    database = db.Database(growing, schema="custody", name="plan-test", min_size=1, max_size=1)
+    await database.open()
+    try:
+        for _ in range(8):  # past psycopg's prepare_threshold (5), one connection
+            async with database.transaction() as tx:
+                for name, (_, _, params) in PER_EXECUTION.items():
+                    await tx.run(name, params)
+                await tx.rows("instances_get", {"ids": [uuid.uuid4()]})
+        async with database.transaction() as tx:
+            prepared = {
+                r["statement"]
+                for r in await tx.business("SELECT statement FROM pg_prepared_statements")
+            }
+    finally:
+        await database.close()
+    prepared = {_placeholders(p) for p in prepared}
+    assert _placeholders(sql.query("instances_get")) in prepared, "an ordinary one is"
+    kept = [n for n in PER_EXECUTION if _placeholders(sql.query(n)) in prepared]
+    assert not kept, f"prepared, so planned once for a young table: {kept}"
+
+    with psycopg.connect(growing, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")  # rows without their parents
+        grown = ("instances ", "operations ", "receipt_inbox ", "node_states ")
+        for statement in ENGINE_ROWS:
+            if any(f"custody.{t}" in statement for t in grown):
+                conn.execute(statement)
+    for name, (relation, index, params) in PER_EXECUTION.items():
+        plan = explain(growing, "custody", sql.query(name), params)
+        every = list(nodes(plan))
+        full = [n for n in every if n["Node Type"] == "Seq Scan" and n["Relation Name"] == relation]
+        # the relation's own indexes (named after it): a bitmap scan's index node names
+        # the index only
+        used = {n["Index Name"] for n in every if n.get("Index Name", "").startswith(relation)}
+        assert not full and used == {index}, f"{name} reads {relation} through {used}: {plan}"
