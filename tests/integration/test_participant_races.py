@@ -80,6 +80,22 @@ async def _accepted_together(env: Env, cmds: Sequence[Any]) -> None:
         await seed_db.close()
 
 
+class _Transactions:
+    """Counts the transactions a database opens from now on (``n``)."""
+
+    def __init__(self, database: db.Database) -> None:
+        self.n = 0
+        opened = database.transaction
+
+        @contextlib.asynccontextmanager
+        async def counted(*args: Any, **kwargs: Any) -> AsyncIterator[db.Tx]:
+            self.n += 1
+            async with opened(*args, **kwargs) as tx:
+                yield tx
+
+        database.transaction = counted  # type: ignore[method-assign]
+
+
 async def _outbox(env: Env) -> list[Any]:
     rows = await env.sql(f"SELECT body FROM {SCHEMA}.outbox", participant=True)
     return [codec.decode_receipt(bytes(r[0])) for r in rows]
@@ -553,17 +569,7 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
 
     exec_db = _database(env, "inventory-exec")
     await exec_db.open()
-    opened = exec_db.transaction
-    transactions = 0
-
-    @contextlib.asynccontextmanager
-    async def counted(*args: Any, **kwargs: Any) -> AsyncIterator[db.Tx]:
-        nonlocal transactions
-        transactions += 1
-        async with opened(*args, **kwargs) as tx:
-            yield tx
-
-    exec_db.transaction = counted  # type: ignore[method-assign]
+    transactions = _Transactions(exec_db)
     try:
         executor = service.Participant(
             ME,
@@ -592,7 +598,7 @@ async def test_a_batch_of_fast_handlers_commits_in_a_few_transactions_each_effec
     assert journaled == len(cmds) - 1
     # the claim, then the handlers' transactions (each gathers up to 50 ms of handler
     # time, so a loaded machine needs a few); one per handler would be 41
-    assert transactions <= 8, f"{transactions} transactions for {len(cmds)} handlers"
+    assert transactions.n <= 8, f"{transactions.n} transactions for {len(cmds)} handlers"
 
 
 async def test_an_accepted_receipt_superseded_before_it_is_sent_is_not_sent(env: Env) -> None:
@@ -758,17 +764,7 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
 
     part_db = _database(env, "inventory-inline")
     await part_db.open()
-    opened = part_db.transaction
-    transactions = 0
-
-    @contextlib.asynccontextmanager
-    async def counted(*args: Any, **kwargs: Any) -> AsyncIterator[db.Tx]:
-        nonlocal transactions
-        transactions += 1
-        async with opened(*args, **kwargs) as tx:
-            yield tx
-
-    part_db.transaction = counted  # type: ignore[method-assign]
+    transactions = _Transactions(part_db)
     try:
         participant = service.Participant(
             ME,
@@ -779,15 +775,15 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
         )
         async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(cmds)
-        assert transactions == 2, "the first run rolled back whole, the second committed"
+        assert transactions.n == 2, "the first run rolled back whole, the second committed"
         assert savepoints == len(releases), "a savepoint for each release of the second run"
 
         # the next batch: the releases keep their savepoints, the reserves go without
         more = [submit(), submit(operation="inventory.release"), submit()]
-        savepoints = transactions = 0
+        savepoints = transactions.n = 0
         async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(more)
-        assert (transactions, savepoints) == (1, 1)
+        assert (transactions.n, savepoints) == (1, 1)
     finally:
         await part_db.close()
 

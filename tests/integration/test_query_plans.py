@@ -11,6 +11,7 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -362,15 +363,14 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def young(templates: tuple[str, str]) -> Iterator[str]:
-    """An engine database as a deployment's first seconds find it: its tables empty and
-    never analysed (the plans a worker caches then are the ones it keeps while the
-    tables grow, until autovacuum analyses them)."""
-    name = f"custody_young_{uuid.uuid4().hex[:10]}"
+@contextlib.contextmanager
+def _young_clone(template: str, prefix: str) -> Iterator[str]:
+    """A clone of the engine template (its tables empty and never analysed), dropped
+    after use: its url."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin_execute(
         pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            pg_sql.Identifier(name), pg_sql.Identifier(templates[0])
+            pg_sql.Identifier(name), pg_sql.Identifier(template)
         )
     )
     try:
@@ -379,6 +379,15 @@ def young(templates: tuple[str, str]) -> Iterator[str]:
         admin_execute(
             pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
         )
+
+
+@pytest.fixture(scope="module")
+def young(templates: tuple[str, str]) -> Iterator[str]:
+    """An engine database as a deployment's first seconds find it: its tables empty and
+    never analysed (the plans a worker caches then are the ones it keeps while the
+    tables grow, until autovacuum analyses them)."""
+    with _young_clone(templates[0], "custody_young") as url:
+        yield url
 
 
 def generic_plan(url: str, statement: LiteralString, params: dict[str, Any]) -> Any:
@@ -458,18 +467,8 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
 def growing(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database of its own, young (empty, never analysed), for a test that
     then fills it."""
-    name = f"custody_growing_{uuid.uuid4().hex[:10]}"
-    admin_execute(
-        pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            pg_sql.Identifier(name), pg_sql.Identifier(templates[0])
-        )
-    )
-    try:
-        yield database_url(name)
-    finally:
-        admin_execute(
-            pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
-        )
+    with _young_clone(templates[0], "custody_growing") as url:
+        yield url
 
 
 async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_it_is_now(

@@ -18,6 +18,17 @@ with that operation's handlers each in a savepoint (for its next ``CAREFUL_RUNS`
 commands, twice as many after each further redo), the way every handler ran before.
 Nothing of the first run is kept: the deliveries of an acceptance are acked only after
 the commit of the run that stands.
+
+A participant may declare some operations *inline*: handlers fast enough to run in
+the acceptance transaction itself. Both durable facts then commit together before the
+ack (inbox row, effect, terminal receipt); the ``accepted`` receipt is journaled but
+never sent. A handler that fails with a bug, or meets a transient conflict, leaves
+its command accepted for the executor, as if it had not been inline.
+
+A repeated command with the same digest gets the existing receipt again (same id,
+same bytes) and never runs the handler again; the same identity with a different
+digest is a conflict, recorded and answered, never executed. Receipts leave through
+the participant's own outbox publisher, under the participant's broker user.
 """
 
 from __future__ import annotations
@@ -208,8 +219,9 @@ class Participant:
 
     async def _redone(self, unit: Callable[[], Awaitable[_U]]) -> _U:
         """Run ``unit`` (one transaction that runs handlers) until no handler run
-        without a savepoint failed after it wrote. Each redo marks one more operation
-        careful, and a careful run never asks for a redo: it ends."""
+        without a savepoint failed after it wrote. Each redo gives the operation that
+        asked for it careful runs for at least a whole batch, so the unit run again
+        asks no redo for it: there are at most as many redos as operations."""
         while True:
             try:
                 return await unit()
@@ -217,7 +229,8 @@ class Participant:
                 last = self._careful_window.get(redo.operation)
                 window = CAREFUL_RUNS if last is None else min(2 * last, CAREFUL_RUNS_MAX)
                 self._careful_window[redo.operation] = window
-                self._careful[redo.operation] = window
+                # at least a batch: the unit run again cannot use it up
+                self._careful[redo.operation] = max(window, self.settings.batch_size)
                 logs.event(
                     "participant.handler_redo",
                     owner=self.me.owner,
