@@ -34,6 +34,7 @@ the participant's own outbox publisher, under the participant's broker user.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -822,24 +823,23 @@ class Participant:
     ) -> tuple[OperationReceipt | None, str | None]:
         """The handler's receipt (None: deferred) and the trace context it continues
         (the handler's span when tracing is on, else the command's)."""
-        command = row["command"]
+        command, operation = row["command"], row["operation"]
         call = Call(
             tx=tx,
             tenant=row["tenant"],
             operation_id=row["operation_id"],
             request_id=row["request_id"],
             attempt=row["attempt"],
-            operation=row["operation"],
+            operation=operation,
             input=command["input"],
         )
-        handler = self.handlers[row["operation"]]
+        handler = self.handlers[operation]
         revision = int(row["owner_revision"]) + 1
         result: Mapping[str, Any] | None = None
         failure: Exception | None = None
         traced = otel.handler(
-            row["operation"], row["traceparent"], names.participant_worker(self.me.owner)
+            operation, row["traceparent"], names.participant_worker(self.me.owner)
         )
-        operation = row["operation"]
         careful = self._careful.get(operation, 0)
         if careful:
             self._careful[operation] = careful - 1
@@ -852,11 +852,7 @@ class Participant:
                         request_id=row["request_id"],
                         attempt=row["attempt"],
                     )
-                if careful:
-                    async with tx.savepoint():
-                        result = await handler(call)
-                        faults.crash_point("mid_effect")
-                else:
+                async with tx.savepoint() if careful else contextlib.nullcontext():
                     result = await handler(call)
                     faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
