@@ -814,3 +814,138 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
         and r.status == "failed"
     }
     assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2
+
+
+class _Waits:
+    """Counts the times a transaction waited for the answers of what it had sent
+    (``db.Tx._answers``: one round trip each) from now on (``n``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        answers = db.Tx._answers
+
+        async def counted(tx: db.Tx) -> None:
+            self.n += 1
+            await answers(tx)
+
+        monkeypatch.setattr(db.Tx, "_answers", counted)
+
+
+async def _effects(env: Env, table: str, cmds: Sequence[Any]) -> list[str]:
+    rows = await env.sql(
+        f"SELECT operation_id FROM {SCHEMA}.{table} WHERE operation_id = ANY(%s)",
+        ([c.operation_id for c in cmds],),
+        participant=True,
+    )
+    return sorted(str(r[0]) for r in rows)
+
+
+async def test_the_writes_of_a_batch_of_handlers_are_answered_together_each_effect_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": every handler of a batch that returned has its effect once, with
+    its terminal receipt, in the one transaction. A handler's write that returns no
+    rows is not waited for on its own: the batch's writes are answered together, so a
+    batch of 12 handlers of two writes each waits a few times, not 24."""
+    releases = [submit(operation="inventory.release") for _ in range(12)]
+    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
+    before = await env.scalar(stock, participant=True)
+    part_db = _database(env, "inventory-inline")
+    await part_db.open()
+    transactions = _Transactions(part_db)
+    try:
+        participant = service.Participant(
+            ME,
+            samples.HANDLERS["inventory"],
+            env.participant_settings("inventory"),
+            part_db,
+            inline=frozenset({"inventory.release"}),
+        )
+        async with _deliveries(env, [codec.encode(c) for c in releases]) as ds:
+            waits = _Waits(monkeypatch)
+            assert await participant.accept(ds) == ["accepted"] * len(releases)
+    finally:
+        await part_db.close()
+
+    assert transactions.n == 1
+    assert waits.n <= 4, f"{waits.n} waits for 24 handler writes"
+    statuses = {await _status(env, c.request_id) for c in releases}
+    assert statuses == {"succeeded"}
+    assert await _effects(env, "releases", releases) == sorted(c.operation_id for c in releases)
+    assert await env.scalar(stock, participant=True) == before + 2 * len(releases)
+    terminal = [r for r in await _outbox(env) if r.status == "succeeded"]
+    assert sorted(r.request_id for r in terminal) == sorted(c.request_id for c in releases)
+
+
+async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blames_its_handler(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": a handler whose write fails leaves no effect, and the others of its
+    batch keep theirs, each once. The failed write was sent without waiting, so its
+    error is raised later (in another handler's statement, or once the batch's writes
+    are answered), where it is nobody's: the whole transaction rolls back and runs
+    again with every handler in a savepoint and every statement waited for. There the
+    error is raised in the handler that caused it, which fails alone (a bug: its command
+    stays accepted for the executor), and its operation's next runs are careful."""
+    cmds = [submit(operation="inventory.release") for _ in range(6)]
+    reserve = submit()  # waits for its UPDATE's rows, after the bad write was sent
+    cmds.insert(4, reserve)
+    bad = cmds[2]
+
+    async def release(call: Call) -> Mapping[str, Any]:
+        result = await samples.release(call)
+        if call.request_id == bad.request_id:
+            await call.tx.business(
+                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
+                " VALUES (%s, %s, %s, NULL)",
+                (call.operation_id, "bad", "sku-1"),
+            )
+        return result
+
+    savepoints = 0
+    opened_savepoint = db.Tx.savepoint
+
+    def counted_savepoint(self: db.Tx) -> Any:
+        nonlocal savepoints
+        savepoints += 1
+        return opened_savepoint(self)
+
+    monkeypatch.setattr(db.Tx, "savepoint", counted_savepoint)
+    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
+    before = await env.scalar(stock, participant=True)
+    part_db = _database(env, "inventory-inline")
+    await part_db.open()
+    transactions = _Transactions(part_db)
+    try:
+        participant = service.Participant(
+            ME,
+            {**samples.HANDLERS["inventory"], "inventory.release": release},
+            env.participant_settings("inventory"),
+            part_db,
+            inline=frozenset({"inventory.reserve", "inventory.release"}),
+        )
+        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
+            assert await participant.accept(ds) == ["accepted"] * len(cmds)
+        assert transactions.n == 2, "the first run rolled back whole, the second committed"
+        assert savepoints == len(cmds), "the second run: every handler in a savepoint"
+
+        # the next batch: the releases keep savepoints, the reserve goes without
+        more = [submit(operation="inventory.release"), submit()]
+        savepoints = transactions.n = 0
+        async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
+            assert await participant.accept(ds) == ["accepted"] * len(more)
+        assert (transactions.n, savepoints) == (1, 1)
+    finally:
+        await part_db.close()
+
+    statuses = {c.request_id: await _status(env, c.request_id) for c in [*cmds, *more]}
+    assert statuses.pop(bad.request_id) == "accepted", "a bug: left to the executor"
+    assert set(statuses.values()) == {"succeeded"}
+    good = [c for c in [*cmds, *more] if c is not bad and c.operation == "inventory.release"]
+    assert await _effects(env, "releases", [*cmds, *more]) == sorted(c.operation_id for c in good)
+    assert await _effects(env, "reservations", [reserve, more[1]]) == sorted(
+        [reserve.operation_id, more[1].operation_id]
+    )
+    assert await env.scalar(stock, participant=True) == before + 2 * len(good) - 2 * 2

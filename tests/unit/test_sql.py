@@ -146,3 +146,28 @@ def test_every_query_is_in_a_described_group(filename: str) -> None:
     assert heading.match(text[:first].rstrip().splitlines()[-1])
     for block in re.split(r"\n(?=-- \S.* -{3,}\n)", text[first:]):
         assert NAME.search(block), block[:80]
+
+
+@pytest.mark.parametrize(
+    ("statement", "nothing"),
+    [
+        ("INSERT INTO shipments (operation_id) VALUES (%s)", True),
+        ("  update stock SET available = available + %s WHERE sku = %s", True),
+        ("\nDELETE FROM holds WHERE id = %s", True),
+        ("UPDATE stock SET available = available - %s WHERE sku = %s RETURNING available", False),
+        ("INSERT INTO t (a) VALUES (%s)\n  returning id", False),
+        ("SELECT available FROM stock WHERE sku = %s FOR UPDATE", False),
+        ("WITH s AS (SELECT 1) INSERT INTO t SELECT * FROM s", False),
+        ("-- a comment first\nINSERT INTO t (a) VALUES (%s)", False),
+        ("INSERT INTO t (note) VALUES ('returning soon')", False),
+        ("INSERTED", False),
+    ],
+)
+def test_only_a_plain_write_that_returns_no_rows_is_sent_without_waiting(
+    statement: str, nothing: bool
+) -> None:
+    """A participant's handler statement is sent without waiting for its answer only
+    when nothing can be lost by it: a plain INSERT, UPDATE or DELETE that says
+    RETURNING nowhere. Anything else (a read, a CTE, a leading comment, the word in a
+    literal) is waited for, as every statement was."""
+    assert db.returns_nothing(statement) is nothing

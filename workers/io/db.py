@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -131,6 +132,12 @@ def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseErr
     return cls(f"{type(exc).__name__}: {exc}".strip(), kind, sqlstate)
 
 
+def statement_error(exc: BaseException) -> bool:
+    """An error Postgres (or the driver) raised for a statement: the transaction is
+    aborted by it, whatever the caller does next."""
+    return isinstance(exc, psycopg.Error)
+
+
 def transient(exc: BaseException) -> bool:
     """A Postgres error raised inside a transaction that says nothing about the work
     (a deadlock, a serialization failure, a lock timeout, a lost connection): redoing
@@ -162,6 +169,10 @@ class Tx:
         # statements sent in it so far (savepoint commands included): a participant
         # tells by it whether a handler that failed wrote anything
         self.statements = 0
+        # while on, a business write that returns no rows is sent without waiting for
+        # its answer (see business); ``deferred`` counts those sent so far
+        self.defer_writes = False
+        self.deferred = 0
 
     async def _answers(self) -> None:
         """Read the answers of everything sent (one round trip): a statement's row
@@ -238,11 +249,29 @@ class Tx:
         return cur
 
     async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
-        """A participant's own SQL on its own tables, inside this transaction."""
+        """A participant's own SQL on its own tables, inside this transaction.
+
+        While ``defer_writes`` is on, a write that returns no rows
+        (:func:`returns_nothing`) is sent without waiting for its answer and returns
+        ``[]`` at once, so the writes of a batch of handlers leave and are answered
+        together. Its error is raised by the next statement that waits, or by
+        :meth:`settle`: possibly in a later handler, so the participant runtime, which
+        turns this on, redoes such a unit with every handler in a savepoint and every
+        statement waited for (``workers.participant.service``)."""
         self.statements += 1
         cur = await self._conn.execute(statement, params)
+        if self.defer_writes and returns_nothing(statement):
+            self.deferred += 1
+            self._unanswered = True
+            return []
         await self._answers()
         return await cur.fetchall() if cur.description else []
+
+    async def settle(self) -> None:
+        """Wait for the answers of everything sent: an error of a statement sent
+        without waiting is raised here."""
+        if self._unanswered:
+            await self._answers()
 
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
@@ -329,6 +358,19 @@ async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
     ):
         with contextlib.suppress(psycopg.Error):
             await _control(conn, _ROLLBACK)
+
+
+_PLAIN_WRITE: Final = re.compile(r"\s*(INSERT|UPDATE|DELETE)\s", re.IGNORECASE)
+_RETURNING: Final = re.compile(r"\bRETURNING\b", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=1024)
+def returns_nothing(statement: str) -> bool:
+    """Whether a statement is a plain write that returns no rows, so that nothing is
+    lost by not waiting for its answer: it begins with INSERT, UPDATE or DELETE (not
+    WITH, not a comment) and says RETURNING nowhere (in a string or a comment too: a
+    false "no" only means waiting, as every other statement does)."""
+    return _PLAIN_WRITE.match(statement) is not None and _RETURNING.search(statement) is None
 
 
 _SAVEPOINTS: Final = tuple(sql.Identifier(f"custody_sp_{i}") for i in range(8))

@@ -17,7 +17,12 @@ and one that fails after it wrote rolls back its whole unit, which runs again at
 with that operation's handlers each in a savepoint (for its next ``CAREFUL_RUNS``
 commands, twice as many after each further redo), the way every handler ran before.
 Nothing of the first run is kept: the deliveries of an acceptance are acked only after
-the commit of the run that stands.
+the commit of the run that stands. A handler without a savepoint sends its writes that
+return no rows (a plain INSERT, UPDATE or DELETE) without waiting for their answers, so
+that a batch's writes are answered together, not one round trip each. Such a write
+that fails raises its error later, in another statement, where it is no known
+handler's: the unit then runs again with every handler in a savepoint and every
+statement waited for, which raises the error in the handler that caused it.
 
 A participant may declare some operations *inline*: handlers fast enough to run in
 the acceptance transaction itself. Both durable facts then commit together before the
@@ -38,7 +43,7 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -79,9 +84,12 @@ class _Conflict(Exception):
 class _Redo(Exception):
     """A handler run without a savepoint failed after it had written: its writes cannot
     be undone alone, so the unit's transaction is rolled back whole and the unit runs
-    again, with this operation's handlers in savepoints."""
+    again, with this operation's handlers in savepoints. ``operation`` None: a write
+    sent without waiting failed, and which handler's it was is not known (its error
+    was raised later, in another statement): the unit runs again with every handler in
+    a savepoint and every statement waited for."""
 
-    def __init__(self, operation: str, request_id: str, error: BaseException) -> None:
+    def __init__(self, operation: str | None, request_id: str, error: BaseException) -> None:
         super().__init__(operation)
         self.operation = operation
         self.request_id = request_id
@@ -217,28 +225,47 @@ class Participant:
         # (see _Redo)
         self._careful: dict[str, int] = {}
         self._careful_window: dict[str, int] = {}
+        # the unit is being run again after a write sent without waiting failed: every
+        # handler of it in a savepoint, every statement waited for
+        self._careful_unit = False
 
     async def _redone(self, unit: Callable[[], Awaitable[_U]]) -> _U:
         """Run ``unit`` (one transaction that runs handlers) until no handler run
         without a savepoint failed after it wrote. Each redo gives the operation that
         asked for it careful runs for at least a whole batch, so the unit run again
-        asks no redo for it: there are at most as many redos as operations."""
+        asks no redo for it: there are at most as many redos as operations. A redo
+        whose operation is not known runs the unit once with every handler careful
+        (a careful handler never asks for a redo); a handler that fails after writing
+        in that run gets its operation careful runs instead."""
         while True:
             try:
-                return await unit()
+                result = await unit()
             except _Redo as redo:
-                last = self._careful_window.get(redo.operation)
-                window = CAREFUL_RUNS if last is None else min(2 * last, CAREFUL_RUNS_MAX)
-                self._careful_window[redo.operation] = window
-                # at least a batch: the unit run again cannot use it up
-                self._careful[redo.operation] = max(window, self.settings.batch_size)
+                if redo.operation is None:
+                    self._careful_unit = True
+                else:
+                    self._be_careful(redo.operation)
                 logs.event(
                     "participant.handler_redo",
                     owner=self.me.owner,
-                    operation=redo.operation,
+                    operation=redo.operation or "(not known: a write sent without waiting)",
                     request_id=redo.request_id,
                     error=repr(redo.error)[:300],
                 )
+                continue
+            except BaseException:
+                self._careful_unit = False
+                raise
+            self._careful_unit = False
+            return result
+
+    def _be_careful(self, operation: str) -> None:
+        """The next runs of ``operation`` each get a savepoint (see :class:`_Redo`)."""
+        last = self._careful_window.get(operation)
+        window = CAREFUL_RUNS if last is None else min(2 * last, CAREFUL_RUNS_MAX)
+        self._careful_window[operation] = window
+        # at least a batch: the unit run again cannot use it up
+        self._careful[operation] = max(window, self.settings.batch_size)
 
     async def accept(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Retain a batch of commands in one transaction; returns each one's decision."""
@@ -472,6 +499,8 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
+        with _deferred_errors(tx):
+            await tx.settle()
         await _complete(tx, done)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
@@ -765,9 +794,10 @@ class Participant:
         ):
             began = loop.time()
             for request_id in request_ids:
-                row = await tx.one(
-                    "p_exec_lock", {"request_id": request_id, "token": self._claim_token}
-                )
+                with _deferred_errors(tx):  # the answer of earlier handlers' writes too
+                    row = await tx.one(
+                        "p_exec_lock", {"request_id": request_id, "token": self._claim_token}
+                    )
                 if row is not None:  # else settled meanwhile (a cancel won), or not ours
                     try:
                         with logs.bound(
@@ -784,6 +814,8 @@ class Participant:
                 done += 1
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
+            with _deferred_errors(tx):
+                await tx.settle()
             trace = {r.request_id: tp for r, tp in receipts if tp}
             await _complete(tx, [r for r, _ in receipts])
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
@@ -840,10 +872,19 @@ class Participant:
         traced = otel.handler(
             operation, row["traceparent"], names.participant_worker(self.me.owner)
         )
-        careful = self._careful.get(operation, 0)
+        runs = self._careful.get(operation, 0)
+        if runs:
+            self._careful[operation] = runs - 1
+        careful = bool(runs) or self._careful_unit
         if careful:
-            self._careful[operation] = careful - 1
+            # what earlier handlers sent without waiting is answered before this one
+            # starts: an error of theirs is never taken for one of this handler's
+            with _deferred_errors(tx):
+                await tx.settle()
         written = tx.statements
+        # a handler without a savepoint sends its writes that return nothing without
+        # waiting (db.Tx.business): the batch's writes are answered together
+        tx.defer_writes = not careful
         try:
             with traced:
                 if traced.recording:
@@ -857,8 +898,15 @@ class Participant:
                     faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
             if not careful and tx.statements != written:
-                # it wrote (or its statement failed, which aborts the transaction)
-                raise _Redo(operation, row["request_id"], exc) from exc
+                # it wrote (or its statement failed, which aborts the transaction); a
+                # statement's error may be that of a write sent earlier without waiting
+                # (another handler's): then whose is not known
+                unknown = tx.deferred > 0 and db.statement_error(exc)
+                raise _Redo(None if unknown else operation, row["request_id"], exc) from exc
+            if self._careful_unit and db.statement_error(exc):
+                # its own write failed (in its savepoint, every statement waited for):
+                # its next runs are careful, so they fail alone, not the whole unit
+                self._be_careful(operation)
             if db.transient(exc):
                 logs.event(
                     "participant.handler_conflict",
@@ -869,6 +917,8 @@ class Participant:
                 )
                 raise _Conflict from exc
             failure = exc
+        finally:
+            tx.defer_writes = False
         done = acceptance.completion(result, failure, executions=row["executions"])
         if isinstance(done, acceptance.Deferred):
             logs.event(
@@ -895,6 +945,21 @@ class Participant:
             error=error,
         )
         return receipt, traced.traceparent or row["traceparent"]
+
+
+@contextlib.contextmanager
+def _deferred_errors(tx: db.Tx) -> Iterator[None]:
+    """Around a statement that waits for the answers of writes handlers sent without
+    waiting: an error there is no known handler's, so the unit runs again with every
+    handler in a savepoint (:class:`_Redo` without an operation)."""
+    try:
+        yield
+    except _Redo:
+        raise
+    except Exception as exc:
+        if tx.deferred and db.statement_error(exc):
+            raise _Redo(None, "", exc) from exc
+        raise
 
 
 async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
