@@ -886,9 +886,10 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
     batch keep theirs, each once. The failed write was sent without waiting, so its
     error is raised later (in another handler's statement, or once the batch's writes
     are answered), where it is nobody's: the whole transaction rolls back and runs
-    again with every handler in a savepoint and every statement waited for. There the
-    error is raised in the handler that caused it, which fails alone (a bug: its command
-    stays accepted for the executor), and its operation's next runs are careful."""
+    again with every handler in a savepoint, whose writes are answered before it ends.
+    There the error is raised in the handler that caused it, which fails alone (a bug:
+    its command stays accepted for the executor), and its operation's next runs are
+    careful."""
     cmds = [submit(operation="inventory.release") for _ in range(6)]
     reserve = submit()  # waits for its UPDATE's rows, after the bad write was sent
     cmds.insert(4, reserve)

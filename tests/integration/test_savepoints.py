@@ -87,6 +87,28 @@ async def test_a_failing_handler_rolls_back_its_own_writes_only(env: Env) -> Non
         assert await _effects(conn) == [1, 2, 4, 5, 7, 8]
 
 
+async def test_a_write_sent_without_waiting_that_fails_rolls_back_its_savepoint_only(
+    env: Env,
+) -> None:
+    """A handler in a savepoint may send its writes without waiting
+    (``Tx.defer_writes``): they are answered before the savepoint ends, so the error of
+    one is raised there, rolls back that savepoint's writes only, and the batch goes
+    on and commits the others' effects, each once."""
+    async with _effects_table(env) as conn:
+        async with _batch(conn) as tx:
+            tx.defer_writes = True
+            for i in range(6):
+                try:
+                    async with tx.savepoint():
+                        await tx.business("INSERT INTO effects VALUES (%s)", (i,))
+                        if i % 2:
+                            await tx.business("INSERT INTO effects VALUES (%s / 0)", (i,))
+                except psycopg.errors.DivisionByZero:
+                    pass
+            assert tx.deferred == 9, "every write sent without waiting"
+        assert await _effects(conn) == [0, 2, 4]
+
+
 async def test_a_savepoint_inside_a_handler_is_its_own(env: Env) -> None:
     """A handler may use a savepoint of its own: its failure rolls back the inner
     writes only, and the handler's savepoint is not released by it."""

@@ -294,6 +294,10 @@ class Tx:
         self._savepoints = depth + 1
         try:
             yield
+            # what was sent inside without waiting is answered inside: its error rolls
+            # back this savepoint, like the error of a statement that waited
+            if self._unanswered:
+                await self._answers()
         except BaseException:
             self._savepoints, self._unreleased = depth, None
             await _past_error(self._pipeline)
@@ -301,8 +305,6 @@ class Tx:
             await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
             await self._answers()
             raise
-        if self._unanswered:  # an error inside is raised inside
-            await self._answers()
         # released with the next one at this depth, or with everything at commit (a
         # RELEASE of an outer savepoint releases this one too)
         self._savepoints, self._unreleased = depth, depth

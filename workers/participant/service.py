@@ -21,8 +21,8 @@ the commit of the run that stands. A handler without a savepoint sends its write
 return no rows (a plain INSERT, UPDATE or DELETE) without waiting for their answers, so
 that a batch's writes are answered together, not one round trip each. Such a write
 that fails raises its error later, in another statement, where it is no known
-handler's: the unit then runs again with every handler in a savepoint and every
-statement waited for, which raises the error in the handler that caused it.
+handler's: the unit then runs again with every handler in a savepoint, whose writes
+are answered before it ends, which raises the error in the handler that caused it.
 
 A participant may declare some operations *inline*: handlers fast enough to run in
 the acceptance transaction itself. Both durable facts then commit together before the
@@ -87,7 +87,7 @@ class _Redo(Exception):
     again, with this operation's handlers in savepoints. ``operation`` None: a write
     sent without waiting failed, and which handler's it was is not known (its error
     was raised later, in another statement): the unit runs again with every handler in
-    a savepoint and every statement waited for."""
+    a savepoint, whose writes are answered before it ends."""
 
     def __init__(self, operation: str | None, request_id: str, error: BaseException) -> None:
         super().__init__(operation)
@@ -226,7 +226,7 @@ class Participant:
         self._careful: dict[str, int] = {}
         self._careful_window: dict[str, int] = {}
         # the unit is being run again after a write sent without waiting failed: every
-        # handler of it in a savepoint, every statement waited for
+        # handler of it in a savepoint (its writes answered before it ends)
         self._careful_unit = False
 
     async def _redone(self, unit: Callable[[], Awaitable[_U]]) -> _U:
@@ -882,9 +882,10 @@ class Participant:
             with _deferred_errors(tx):
                 await tx.settle()
         written = tx.statements
-        # a handler without a savepoint sends its writes that return nothing without
-        # waiting (db.Tx.business): the batch's writes are answered together
-        tx.defer_writes = not careful
+        # the handler's writes that return nothing are sent without waiting
+        # (db.Tx.business): without a savepoint they are answered with the batch's, in a
+        # savepoint before it ends (an error there is this handler's, rolled back alone)
+        tx.defer_writes = True
         try:
             with traced:
                 if traced.recording:
@@ -904,8 +905,8 @@ class Participant:
                 unknown = tx.deferred > 0 and db.statement_error(exc)
                 raise _Redo(None if unknown else operation, row["request_id"], exc) from exc
             if self._careful_unit and db.statement_error(exc):
-                # its own write failed (in its savepoint, every statement waited for):
-                # its next runs are careful, so they fail alone, not the whole unit
+                # its own write failed (answered in its savepoint): its next runs are
+                # careful, so they fail alone, not the whole unit
                 self._be_careful(operation)
             if db.transient(exc):
                 logs.event(
