@@ -295,6 +295,54 @@ async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_inser
     )
 
 
+async def test_a_cancel_that_loses_the_race_to_its_submit_leaves_no_tombstone(env: Env) -> None:
+    """ "Cancellation before acceptance also requires a durable record": the tombstone is
+    that record, and it stands for a cancel that came first. Replica A's acceptance of
+    the submit has inserted its inbox row and holds its transaction open (a paused or
+    stalled replica); replica B receives the cancel, sees no row yet, and offers the
+    cancel's inbox row, which waits on A's; A commits. The submit won: B answers with
+    the real state, and leaves no tombstone beside the executed command (a tombstone
+    says "refuse this command when it comes", which it no longer means)."""
+    cmd = submit()
+    settings = env.participant_settings("inventory")
+    db_a, db_b = _database(env, "inventory-a"), _database(env, "inventory-b")
+    await db_a.open()
+    await db_b.open()
+    # A runs the handler in its acceptance (inline): the command has executed when A
+    # commits, so the cancel can no longer prevent it
+    a = HeldAcceptance(
+        ME, samples.HANDLERS["inventory"], settings, db_a, inline={"inventory.reserve"}
+    )
+    b = service.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
+    try:
+        async with _deliveries(env, [codec.encode(cmd), codec.encode(_cancel(cmd))]) as [da, dc]:
+            first = asyncio.create_task(a.accept([da]))
+            await asyncio.wait_for(a.inside.wait(), 10)
+            second = asyncio.create_task(b.accept([dc]))
+            await wait_until(
+                lambda: _waiting_on_a_lock(env, "custody-inventory-b"),
+                timeout=10,
+                what="replica B's cancel waiting on replica A's inbox row",
+            )
+            a.release.set()
+            decided = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    finally:
+        a.release.set()
+        await db_a.close()
+        await db_b.close()
+
+    assert decided == [["accepted"], ["cancel"]]
+    assert await _status(env, cmd.request_id) == "succeeded"
+    tombstones = await env.scalar(
+        f"SELECT count(*) FROM {SCHEMA}.tombstones WHERE request_id = %s",
+        (cmd.request_id,),
+        participant=True,
+    )
+    assert tombstones == 0, "the submit won: no record that it was cancelled first"
+    cancelled = [r for r in await _outbox(env) if r.status == "cancelled"]
+    assert cancelled == [], "answered with the real state, never cancelled"
+
+
 # --- defect 11: a slow handler never blocks acceptance --------------------------------
 
 

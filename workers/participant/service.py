@@ -556,7 +556,6 @@ class Participant:
         if busy:
             return None  # being executed right now: its terminal receipt is the evidence
         if row is None:
-            await tx.send("p_tombstone_insert", {**identity_, "reason": c.reason})
             won = await tx.rows(
                 "p_inbox_tombstoned",
                 {
@@ -567,6 +566,9 @@ class Participant:
                 },
             )
             if won:
+                # the cancel came first: its durable record, committed with the row that
+                # takes the identity (a submit that won the insert leaves none)
+                await tx.send("p_tombstone_insert", {**identity_, "reason": c.reason})
                 return make_receipt(
                     identity_,
                     self.me,
