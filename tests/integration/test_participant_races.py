@@ -96,6 +96,35 @@ class _Transactions:
         database.transaction = counted  # type: ignore[method-assign]
 
 
+class _Savepoints:
+    """Counts the savepoints transactions open from now on (``n``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        opened = db.Tx.savepoint
+
+        def counted(tx: db.Tx) -> Any:
+            self.n += 1
+            return opened(tx)
+
+        monkeypatch.setattr(db.Tx, "savepoint", counted)
+
+
+class _Waits:
+    """Counts the times a transaction waited for the answers of what it had sent
+    (``db.Tx._answers``: one round trip each) from now on (``n``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        answers = db.Tx._answers
+
+        async def counted(tx: db.Tx) -> None:
+            self.n += 1
+            await answers(tx)
+
+        monkeypatch.setattr(db.Tx, "_answers", counted)
+
+
 async def _outbox(env: Env) -> list[Any]:
     rows = await env.sql(f"SELECT body FROM {SCHEMA}.outbox", participant=True)
     return [codec.decode_receipt(bytes(r[0])) for r in rows]
@@ -798,15 +827,7 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
             raise service.BusinessFailure("release_refused", "refused after its writes")
         return result
 
-    savepoints = 0
-    opened_savepoint = db.Tx.savepoint
-
-    def counted_savepoint(self: db.Tx) -> Any:
-        nonlocal savepoints
-        savepoints += 1
-        return opened_savepoint(self)
-
-    monkeypatch.setattr(db.Tx, "savepoint", counted_savepoint)
+    savepoints = _Savepoints(monkeypatch)
     stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
     before = await env.scalar(stock, participant=True)
 
@@ -824,14 +845,14 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
         async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(cmds)
         assert transactions.n == 2, "the first run rolled back whole, the second committed"
-        assert savepoints == len(releases), "a savepoint for each release of the second run"
+        assert savepoints.n == len(releases), "a savepoint for each release of the second run"
 
         # the next batch: the releases keep their savepoints, the reserves go without
         more = [submit(), submit(operation="inventory.release"), submit()]
-        savepoints = transactions.n = 0
+        savepoints.n = transactions.n = 0
         async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(more)
-        assert (transactions.n, savepoints) == (1, 1)
+        assert (transactions.n, savepoints.n) == (1, 1)
     finally:
         await part_db.close()
 
@@ -862,21 +883,6 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
         and r.status == "failed"
     }
     assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2
-
-
-class _Waits:
-    """Counts the times a transaction waited for the answers of what it had sent
-    (``db.Tx._answers``: one round trip each) from now on (``n``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
-        answers = db.Tx._answers
-
-        async def counted(tx: db.Tx) -> None:
-            self.n += 1
-            await answers(tx)
-
-        monkeypatch.setattr(db.Tx, "_answers", counted)
 
 
 async def _effects(env: Env, table: str, cmds: Sequence[Any]) -> list[str]:
@@ -953,15 +959,7 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
             )
         return result
 
-    savepoints = 0
-    opened_savepoint = db.Tx.savepoint
-
-    def counted_savepoint(self: db.Tx) -> Any:
-        nonlocal savepoints
-        savepoints += 1
-        return opened_savepoint(self)
-
-    monkeypatch.setattr(db.Tx, "savepoint", counted_savepoint)
+    savepoints = _Savepoints(monkeypatch)
     stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
     before = await env.scalar(stock, participant=True)
     part_db = _database(env, "inventory-inline")
@@ -978,14 +976,14 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
         async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(cmds)
         assert transactions.n == 2, "the first run rolled back whole, the second committed"
-        assert savepoints == len(cmds), "the second run: every handler in a savepoint"
+        assert savepoints.n == len(cmds), "the second run: every handler in a savepoint"
 
         # the next batch: the releases keep savepoints, the reserve goes without
         more = [submit(operation="inventory.release"), submit()]
-        savepoints = transactions.n = 0
+        savepoints.n = transactions.n = 0
         async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
             assert await participant.accept(ds) == ["accepted"] * len(more)
-        assert (transactions.n, savepoints) == (1, 1)
+        assert (transactions.n, savepoints.n) == (1, 1)
     finally:
         await part_db.close()
 
