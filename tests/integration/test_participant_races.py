@@ -256,6 +256,36 @@ async def _waiting_on_a_lock(env: Env, application: str) -> bool:
     return bool(n == 1)
 
 
+async def _raced(
+    env: Env, first: bytes, second: bytes, *, inline: Collection[str] = ()
+) -> list[list[str]]:
+    """Replica A accepts ``first`` and holds its transaction open once its inbox insert
+    is done; replica B accepts ``second`` until its statement waits on A's row; then A
+    commits. Returns A's and B's decisions."""
+    settings = env.participant_settings("inventory")
+    db_a, db_b = _database(env, "inventory-a"), _database(env, "inventory-b")
+    await db_a.open()
+    await db_b.open()
+    a = HeldAcceptance(ME, samples.HANDLERS["inventory"], settings, db_a, inline=inline)
+    b = service.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
+    try:
+        async with _deliveries(env, [first, second]) as [da, d_b]:
+            accepted = asyncio.create_task(a.accept([da]))
+            await asyncio.wait_for(a.inside.wait(), 10)
+            raced = asyncio.create_task(b.accept([d_b]))
+            await wait_until(
+                lambda: _waiting_on_a_lock(env, "custody-inventory-b"),
+                timeout=10,
+                what="replica B's statement waiting on replica A's row",
+            )
+            a.release.set()
+            return list(await asyncio.wait_for(asyncio.gather(accepted, raced), 10))
+    finally:
+        a.release.set()
+        await db_a.close()
+        await db_b.close()
+
+
 @pytest.mark.parametrize("same_input", [False, True], ids=["changed-input", "same-input"])
 async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_insert(
     env: Env, same_input: bool
@@ -272,29 +302,7 @@ async def test_two_replicas_accepting_one_identity_at_once_decide_from_the_inser
     if not same_input:
         other = cmd.model_copy(update={"input": {"order_id": "o-1", "sku": "sku-1", "quantity": 9}})
         other = other.model_copy(update={"digest": other.semantic_digest()})
-    settings = env.participant_settings("inventory")
-    db_a, db_b = _database(env, "inventory-a"), _database(env, "inventory-b")
-    await db_a.open()
-    await db_b.open()
-    a = HeldAcceptance(ME, samples.HANDLERS["inventory"], settings, db_a)
-    b = service.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
-    try:
-        async with _deliveries(env, [codec.encode(cmd), codec.encode(other)]) as [da, d_b]:
-            first = asyncio.create_task(a.accept([da]))
-            await asyncio.wait_for(a.inside.wait(), 10)
-            second = asyncio.create_task(b.accept([d_b]))
-            await wait_until(
-                lambda: _waiting_on_a_lock(env, "custody-inventory-b"),
-                timeout=10,
-                what="replica B's insert waiting on replica A's row",
-            )
-            a.release.set()
-            decided = await asyncio.wait_for(asyncio.gather(first, second), 10)
-    finally:
-        a.release.set()
-        await db_a.close()
-        await db_b.close()
-
+    decided = await _raced(env, codec.encode(cmd), codec.encode(other))
     assert decided == [["accepted"], ["duplicate" if same_input else "conflict"]]
     conflicts = await env.sql(
         f"SELECT request_id::text, stored_digest, received_digest FROM {SCHEMA}.conflicts",
@@ -333,33 +341,11 @@ async def test_a_cancel_that_loses_the_race_to_its_submit_leaves_no_tombstone(en
     the real state, and leaves no tombstone beside the executed command (a tombstone
     says "refuse this command when it comes", which it no longer means)."""
     cmd = submit()
-    settings = env.participant_settings("inventory")
-    db_a, db_b = _database(env, "inventory-a"), _database(env, "inventory-b")
-    await db_a.open()
-    await db_b.open()
     # A runs the handler in its acceptance (inline): the command has executed when A
     # commits, so the cancel can no longer prevent it
-    a = HeldAcceptance(
-        ME, samples.HANDLERS["inventory"], settings, db_a, inline={"inventory.reserve"}
+    decided = await _raced(
+        env, codec.encode(cmd), codec.encode(_cancel(cmd)), inline={"inventory.reserve"}
     )
-    b = service.Participant(ME, samples.HANDLERS["inventory"], settings, db_b)
-    try:
-        async with _deliveries(env, [codec.encode(cmd), codec.encode(_cancel(cmd))]) as [da, dc]:
-            first = asyncio.create_task(a.accept([da]))
-            await asyncio.wait_for(a.inside.wait(), 10)
-            second = asyncio.create_task(b.accept([dc]))
-            await wait_until(
-                lambda: _waiting_on_a_lock(env, "custody-inventory-b"),
-                timeout=10,
-                what="replica B's cancel waiting on replica A's inbox row",
-            )
-            a.release.set()
-            decided = await asyncio.wait_for(asyncio.gather(first, second), 10)
-    finally:
-        a.release.set()
-        await db_a.close()
-        await db_b.close()
-
     assert decided == [["accepted"], ["cancel"]]
     assert await _status(env, cmd.request_id) == "succeeded"
     tombstones = await env.scalar(
