@@ -125,6 +125,32 @@ class _Waits:
         monkeypatch.setattr(db.Tx, "_answers", counted)
 
 
+@contextlib.asynccontextmanager
+async def _inline(
+    env: Env, handlers: Mapping[str, service.Handler], inline: Collection[str]
+) -> AsyncIterator[tuple[service.Participant, _Transactions]]:
+    """A participant on its own database whose ``inline`` operations run in the
+    acceptance transaction, and the count of the transactions it opens."""
+    part_db = _database(env, "inventory-inline")
+    await part_db.open()
+    try:
+        participant = service.Participant(
+            ME, handlers, env.participant_settings("inventory"), part_db, inline=inline
+        )
+        yield participant, _Transactions(part_db)
+    finally:
+        await part_db.close()
+
+
+async def _accept(env: Env, participant: service.Participant, cmds: Sequence[Any]) -> list[str]:
+    """``cmds`` delivered and accepted in one batch; each one's decision."""
+    async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
+        return await participant.accept(ds)
+
+
+STOCK = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
+
+
 async def _outbox(env: Env) -> list[Any]:
     rows = await env.sql(f"SELECT body FROM {SCHEMA}.outbox", participant=True)
     return [codec.decode_receipt(bytes(r[0])) for r in rows]
@@ -735,24 +761,11 @@ async def test_a_fast_handler_completes_in_its_acceptance_transaction(env: Env) 
             raise RuntimeError("a bug")
         return await samples.reserve(call)
 
-    part_db = _database(env, "inventory-inline")
-    await part_db.open()
-    try:
-        participant = service.Participant(
-            ME,
-            {**samples.HANDLERS["inventory"], "inventory.reserve": reserve},
-            env.participant_settings("inventory"),
-            part_db,
-            inline=frozenset({"inventory.reserve"}),
-        )
-        bodies = [codec.encode(c) for c in (ok, buggy, withdrawn)]
-        bodies.append(codec.encode(_cancel(withdrawn)))
-        async with _deliveries(env, bodies) as ds:
-            assert await participant.accept(ds) == ["accepted"] * 3 + ["cancel"]
-        async with _deliveries(env, [codec.encode(ok)]) as ds:
-            assert await participant.accept(ds) == ["duplicate"]
-    finally:
-        await part_db.close()
+    handlers = {**samples.HANDLERS["inventory"], "inventory.reserve": reserve}
+    async with _inline(env, handlers, {"inventory.reserve"}) as (participant, _):
+        cmds = [ok, buggy, withdrawn, _cancel(withdrawn)]
+        assert await _accept(env, participant, cmds) == ["accepted"] * 3 + ["cancel"]
+        assert await _accept(env, participant, [ok]) == ["duplicate"]
 
     assert sorted(runs) == sorted([ok.request_id, buggy.request_id]), "run once, cancel first"
     statuses = {c.request_id: await _status(env, c.request_id) for c in (ok, buggy, withdrawn)}
@@ -814,33 +827,18 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
         return result
 
     savepoints = _Savepoints(monkeypatch)
-    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
-    before = await env.scalar(stock, participant=True)
-
-    part_db = _database(env, "inventory-inline")
-    await part_db.open()
-    transactions = _Transactions(part_db)
-    try:
-        participant = service.Participant(
-            ME,
-            {"inventory.reserve": reserve, "inventory.release": release},
-            env.participant_settings("inventory"),
-            part_db,
-            inline=frozenset({"inventory.reserve", "inventory.release"}),
-        )
-        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
-            assert await participant.accept(ds) == ["accepted"] * len(cmds)
+    before = await env.scalar(STOCK, participant=True)
+    handlers = {"inventory.reserve": reserve, "inventory.release": release}
+    async with _inline(env, handlers, set(handlers)) as (participant, transactions):
+        assert await _accept(env, participant, cmds) == ["accepted"] * len(cmds)
         assert transactions.n == 2, "the first run rolled back whole, the second committed"
         assert savepoints.n == len(releases), "a savepoint for each release of the second run"
 
         # the next batch: the releases keep their savepoints, the reserves go without
         more = [submit(), submit(operation="inventory.release"), submit()]
         savepoints.n = transactions.n = 0
-        async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
-            assert await participant.accept(ds) == ["accepted"] * len(more)
+        assert await _accept(env, participant, more) == ["accepted"] * len(more)
         assert (transactions.n, savepoints.n) == (1, 1)
-    finally:
-        await part_db.close()
 
     statuses = {c.request_id: await _status(env, c.request_id) for c in [*cmds, *more]}
     assert statuses.pop(refused_early.request_id) == "failed"
@@ -860,7 +858,7 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
     assert sorted(str(r[0]) for r in released) == sorted(
         c.operation_id for c in [*releases, more[1]] if c is not refused_late
     ), "each effect once; none of the handler that failed after writing"
-    after = await env.scalar(stock, participant=True)
+    after = await env.scalar(STOCK, participant=True)
     assert after == before - 2 * (len(reserves) - 1 + 2) + 2 * (len(releases) - 1 + 1)
     receipts = {
         r.request_id: r
@@ -889,31 +887,18 @@ async def test_the_writes_of_a_batch_of_handlers_are_answered_together_each_effe
     rows is not waited for on its own: the batch's writes are answered together, so a
     batch of 12 handlers of two writes each waits a few times, not 24."""
     releases = [submit(operation="inventory.release") for _ in range(12)]
-    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
-    before = await env.scalar(stock, participant=True)
-    part_db = _database(env, "inventory-inline")
-    await part_db.open()
-    transactions = _Transactions(part_db)
-    try:
-        participant = service.Participant(
-            ME,
-            samples.HANDLERS["inventory"],
-            env.participant_settings("inventory"),
-            part_db,
-            inline=frozenset({"inventory.release"}),
-        )
-        async with _deliveries(env, [codec.encode(c) for c in releases]) as ds:
-            waits = _Waits(monkeypatch)
-            assert await participant.accept(ds) == ["accepted"] * len(releases)
-    finally:
-        await part_db.close()
+    before = await env.scalar(STOCK, participant=True)
+    waits = _Waits(monkeypatch)
+    handlers = samples.HANDLERS["inventory"]
+    async with _inline(env, handlers, {"inventory.release"}) as (participant, transactions):
+        assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
 
     assert transactions.n == 1
     assert waits.n <= 4, f"{waits.n} waits for 24 handler writes"
     statuses = {await _status(env, c.request_id) for c in releases}
     assert statuses == {"succeeded"}
     assert await _effects(env, "releases", releases) == sorted(c.operation_id for c in releases)
-    assert await env.scalar(stock, participant=True) == before + 2 * len(releases)
+    assert await env.scalar(STOCK, participant=True) == before + 2 * len(releases)
     terminal = [r for r in await _outbox(env) if r.status == "succeeded"]
     assert sorted(r.request_id for r in terminal) == sorted(c.request_id for c in releases)
 
@@ -946,32 +931,18 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
         return result
 
     savepoints = _Savepoints(monkeypatch)
-    stock = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-1'"
-    before = await env.scalar(stock, participant=True)
-    part_db = _database(env, "inventory-inline")
-    await part_db.open()
-    transactions = _Transactions(part_db)
-    try:
-        participant = service.Participant(
-            ME,
-            {**samples.HANDLERS["inventory"], "inventory.release": release},
-            env.participant_settings("inventory"),
-            part_db,
-            inline=frozenset({"inventory.reserve", "inventory.release"}),
-        )
-        async with _deliveries(env, [codec.encode(c) for c in cmds]) as ds:
-            assert await participant.accept(ds) == ["accepted"] * len(cmds)
+    before = await env.scalar(STOCK, participant=True)
+    handlers = {**samples.HANDLERS["inventory"], "inventory.release": release}
+    async with _inline(env, handlers, set(handlers)) as (participant, transactions):
+        assert await _accept(env, participant, cmds) == ["accepted"] * len(cmds)
         assert transactions.n == 2, "the first run rolled back whole, the second committed"
         assert savepoints.n == len(cmds), "the second run: every handler in a savepoint"
 
         # the next batch: the releases keep savepoints, the reserve goes without
         more = [submit(operation="inventory.release"), submit()]
         savepoints.n = transactions.n = 0
-        async with _deliveries(env, [codec.encode(c) for c in more]) as ds:
-            assert await participant.accept(ds) == ["accepted"] * len(more)
+        assert await _accept(env, participant, more) == ["accepted"] * len(more)
         assert (transactions.n, savepoints.n) == (1, 1)
-    finally:
-        await part_db.close()
 
     statuses = {c.request_id: await _status(env, c.request_id) for c in [*cmds, *more]}
     assert statuses.pop(bad.request_id) == "accepted", "a bug: left to the executor"
@@ -981,4 +952,4 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
     assert await _effects(env, "reservations", [reserve, more[1]]) == sorted(
         [reserve.operation_id, more[1].operation_id]
     )
-    assert await env.scalar(stock, participant=True) == before + 2 * len(good) - 2 * 2
+    assert await env.scalar(STOCK, participant=True) == before + 2 * len(good) - 2 * 2

@@ -135,7 +135,7 @@ def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseErr
 def statement_error(exc: BaseException) -> bool:
     """An error Postgres (or the driver) raised for a statement: the transaction is
     aborted by it, whatever the caller does next."""
-    return isinstance(exc, psycopg.Error)
+    return isinstance(exc, DRIVER_ERRORS)
 
 
 def transient(exc: BaseException) -> bool:
@@ -255,9 +255,10 @@ class Tx:
         (:func:`returns_nothing`) is sent without waiting for its answer and returns
         ``[]`` at once, so the writes of a batch of handlers leave and are answered
         together. Its error is raised by the next statement that waits, or by
-        :meth:`settle`: possibly in a later handler, so the participant runtime, which
-        turns this on, redoes such a unit with every handler in a savepoint and every
-        statement waited for (``workers.participant.service``)."""
+        :meth:`settle`, possibly in a later handler's statement; a savepoint answers
+        what was sent inside it before it ends. The participant runtime, which turns
+        this on, redoes a unit whose such error it cannot place with every handler in a
+        savepoint (``workers.participant.service``)."""
         self.statements += 1
         cur = await self._conn.execute(statement, params)
         if self.defer_writes and returns_nothing(statement):

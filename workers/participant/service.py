@@ -466,7 +466,7 @@ class Participant:
         trace: dict[str, str | None],
     ) -> tuple[list[OperationReceipt], set[str]]:
         """Run the handlers of the batch's new commands whose operations are ``inline``,
-        in this acceptance transaction (each in a savepoint), so that acceptance, effect
+        in this acceptance transaction (see :meth:`_run_one`), so that acceptance, effect
         and terminal receipt commit together before the ack. Returns the terminal
         receipts and the ids of the ``accepted`` receipts they overtake (journaled, not
         sent). A command cancelled in this batch does not run; one whose handler failed
@@ -499,8 +499,7 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
-        with _deferred_errors(tx):
-            await tx.settle()
+        await _settle(tx)
         await _complete(tx, done)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
@@ -754,14 +753,15 @@ class Participant:
         ``EXEC_TX_BUDGET_S`` of handler time each, so that one commit serves many fast
         handlers and a slow one holds back few receipts). Each handler re-locks its
         row just before it runs and re-checks that it is still accepted and still ours
-        (a cancel may have settled it since), runs in a savepoint, and its business
-        effect commits together with its terminal receipt; a handler that fails rolls
-        back its savepoint only. The row lock, held until that commit, is what keeps a
-        command from executing twice at once: claims skip locked rows, and a claim that
-        expired (a crashed or slow executor) is re-checked under the lock before
-        anything runs again. A transient database conflict in a handler (a deadlock
-        with another executor) ends the transaction early: what ran before it commits,
-        and the rest, still claimed by this executor, runs again at once.
+        (a cancel may have settled it since), runs (see :meth:`_run_one`), and its
+        business effect commits together with its terminal receipt; a handler that
+        fails leaves no effect, and the others keep theirs. The row lock, held until
+        that commit, is what keeps a command from executing twice at once: claims skip
+        locked rows, and a claim that expired (a crashed or slow executor) is
+        re-checked under the lock before anything runs again. A transient database
+        conflict in a handler (a deadlock with another executor) ends the transaction
+        early: what ran before it commits, and the rest, still claimed by this
+        executor, runs again at once.
         """
         async with self.db.transaction() as tx:
             claimed = await tx.rows(
@@ -816,8 +816,7 @@ class Participant:
                 done += 1
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
-            with _deferred_errors(tx):
-                await tx.settle()
+            await _settle(tx)
             trace = {r.request_id: tp for r, tp in receipts if tp}
             await _complete(tx, [r for r, _ in receipts])
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
@@ -881,8 +880,7 @@ class Participant:
         if careful:
             # what earlier handlers sent without waiting is answered before this one
             # starts: an error of theirs is never taken for one of this handler's
-            with _deferred_errors(tx):
-                await tx.settle()
+            await _settle(tx)
         written = tx.statements
         # the handler's writes that return nothing are sent without waiting
         # (db.Tx.business): without a savepoint they are answered with the batch's, in a
@@ -963,6 +961,13 @@ def _deferred_errors(tx: db.Tx) -> Iterator[None]:
         if tx.deferred and db.statement_error(exc):
             raise _Redo(None, "", exc) from exc
         raise
+
+
+async def _settle(tx: db.Tx) -> None:
+    """The answers of the writes handlers sent without waiting (see
+    :func:`_deferred_errors`)."""
+    with _deferred_errors(tx):
+        await tx.settle()
 
 
 async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
