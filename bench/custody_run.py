@@ -9,9 +9,10 @@ import asyncio
 import contextlib
 import io
 import os
+import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,16 @@ ENGINE_DB = "custody_bench"
 PARTICIPANT_DB = "custody_bench_participants"
 VHOST = "custody-bench"
 FINISHED = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One leg of a light-load operation's path, timed from the rows' own timestamps."""
+
+    what: str
+    p50_ms: float
+    p90_ms: float
+    count: int
 
 
 @dataclass
@@ -63,6 +74,8 @@ class CustodyResult:
     shutdown_codes: list[int]
     cpu: CpuWindow
     backlog: Seeded | None = None
+    # where a light-load operation's time goes: (hop, p50 ms, p90 ms), in path order
+    light_hops: list[Hop] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -305,6 +318,7 @@ async def run_custody(
                 cpu = probe.window(start, end)
                 cpu.activity = sampler.result
                 figures = await _custody_figures(conn, t0_row[0])
+                hops = await _light_hops(conn, part_url)
                 await _wait_outbox_drained(conn)
         finally:
             await amqp.close()
@@ -332,6 +346,7 @@ async def run_custody(
             shutdown_codes=sorted(codes.values()),
             cpu=cpu,
             backlog=seeded,
+            light_hops=hops,
             **figures,
         )
         _verify(result, counts)
@@ -422,6 +437,77 @@ async def _custody_figures(
         "light_op_p50_ms": float(light_ops[1] or 0) * 1000,
         "light_op_p99_ms": float(light_ops[2] or 0) * 1000,
     }
+
+
+# The light-load instances' operations, each with the engine's timestamps of its path:
+# created (the committer's transaction began), its submit confirmed (the publisher's mark
+# began), finished (the receipt consumer's transaction began), and the next operation's
+# creation in its instance. The participant's own timestamps come from its database.
+_LIGHT_PATH = """
+SELECT o.id::text, o.created_at, o.finished_at,
+       lead(o.created_at) OVER (PARTITION BY o.instance_id ORDER BY o.created_at),
+       CASE WHEN row_number() OVER (PARTITION BY o.instance_id ORDER BY o.created_at DESC) = 1
+            THEN i.finished_at END
+  FROM custody.operations o JOIN custody.instances i ON i.id = o.instance_id
+ WHERE i.input->>'order_id' LIKE 'light-%' AND o.finished_at IS NOT NULL
+"""
+# per participant schema: when its acceptance of the command began, and when its
+# terminal receipt's confirm was marked (the mark began right after the broker's confirm)
+_PARTICIPANT_PATH = """
+SELECT i.operation_id::text, min(i.accepted_at), max(o.published_at)
+  FROM {schema}.inbox i JOIN {schema}.outbox o ON o.operation_id = i.operation_id
+ GROUP BY i.operation_id
+"""
+HOPS = (
+    "created → the participant begins accepting it (the rest of the committer's transaction,"
+    " the publisher's wake-up and claim, publish and broker confirm, the delivery)",
+    "the participant: acceptance begins → its receipt confirmed by the broker (inbox,"
+    " handler, effect and receipt in one commit; the receipt's publish and confirm)",
+    "receipt confirmed → the receipt consumer begins applying it (the delivery)",
+    "receipt applied → the next operation created (the receipt consumer's commit, the"
+    " successor's wake-up, the committer's claim)",
+    "last receipt applied → the instance finished (as above, ending the instance)",
+)
+
+
+async def _light_hops(conn: psycopg.AsyncConnection[tuple[Any, ...]], part_url: str) -> list[Hop]:
+    """Where a light-load operation's time goes, leg by leg (p50, p90). The legs overlap
+    nothing and leave out only the receipt consumer's own transaction, so they add up to
+    about an operation's created → terminal time plus the hop to the next one."""
+    rows = await (await conn.execute(_LIGHT_PATH)).fetchall()
+    if not rows:
+        return []
+    participant: dict[str, tuple[datetime, datetime]] = {}
+    async with await psycopg.AsyncConnection.connect(part_url, autocommit=True) as pconn:
+        for name in fleet.PARTICIPANTS:
+            query = _PARTICIPANT_PATH.format(schema=f"participant_{name}")
+            for op, accepted, confirmed in await (await pconn.execute(query)).fetchall():
+                if accepted is not None and confirmed is not None:
+                    participant[op] = (accepted, confirmed)
+    legs: list[list[float]] = [[] for _ in HOPS]
+
+    def add(leg: int, start: datetime | None, end: datetime | None) -> None:
+        if start is not None and end is not None:
+            legs[leg].append((end - start).total_seconds() * 1000)
+
+    for op, created, finished, next_created, instance_finished in rows:
+        if op in participant:
+            accepted, confirmed = participant[op]
+            add(0, created, accepted)
+            add(1, accepted, confirmed)
+            add(2, confirmed, finished)
+        add(3, finished, next_created)
+        add(4, finished, instance_finished)
+    return [
+        Hop(what, statistics.median(values), _quantile(values, 0.9), len(values))
+        for what, values in zip(HOPS, legs, strict=True)
+        if values
+    ]
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _wait_outbox_drained(conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:

@@ -649,6 +649,21 @@ class Report:
             "",
             "Under a burst every instance waits behind the others: the burst latencies"
             " measure queueing at saturation, not the cost of one instance.",
+        ]
+        for c in self.custody:
+            if c.light_hops and not c.backlog:
+                lines += [
+                    "",
+                    f"Where a light-load operation's time goes, {c.label}: each leg from the"
+                    " rows' own timestamps (a transaction's `now()`, the engine's and the"
+                    " participant's), so the legs are comparable across runs:",
+                    "",
+                ]
+                lines += _table(
+                    ["leg", "p50", "p90", "operations"],
+                    [[h.what, _ms(h.p50_ms), _ms(h.p90_ms), f"{h.count:,}"] for h in c.light_hops],
+                )
+        lines += [
             "",
             "## Correctness (checked; a mismatch fails the run)",
             "",
