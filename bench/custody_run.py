@@ -76,6 +76,8 @@ class CustodyResult:
     backlog: Seeded | None = None
     # where a light-load operation's time goes: (hop, p50 ms, p90 ms), in path order
     light_hops: list[Hop] = field(default_factory=list)
+    # the processes' CPU while the light-load instances ran, one at a time
+    light_cpu: CpuWindow | None = None
 
     @property
     def label(self) -> str:
@@ -279,12 +281,20 @@ async def run_custody(
                 # warm-up: a trickle, so its latency is the unloaded one
                 await _publish_starts(pub, warm, pace_s=0.05)
                 await _wait_finished(conn, warm, crew, timeout_s=60, progress=False)
-                # light load: one instance at a time, the next once the last finished
-                for item in lights:
-                    await _publish_starts(pub, [item])
-                    await _wait_finished(
-                        conn, [item], crew, timeout_s=30, progress=False, interval_s=0.01
-                    )
+                labels = {p.name: p.popen.pid for p in crew.procs}
+                groups = dict.fromkeys(labels, "custody workers")
+                labels["bench (this process)"] = os.getpid()
+                databases = [ENGINE_DB, PARTICIPANT_DB]
+                # light load: one instance at a time, the next once the last finished;
+                # its CPU too, for what a unit of one item costs each process
+                async with Probe(admin_url, labels, groups, databases) as light_probe:
+                    before = await light_probe.snapshot()
+                    for item in lights:
+                        await _publish_starts(pub, [item])
+                        await _wait_finished(
+                            conn, [item], crew, timeout_s=30, progress=False, interval_s=0.01
+                        )
+                    light_cpu = light_probe.window(before, await light_probe.snapshot())
                 seeded = None
                 if backlog is not None:
                     seeded = await seed(engine_url, backlog)
@@ -294,10 +304,6 @@ async def run_custody(
                         f" {seeded.seconds:.0f}s; database {seeded.database_mb:,.0f} MB",
                         flush=True,
                     )
-                labels = {p.name: p.popen.pid for p in crew.procs}
-                groups = dict.fromkeys(labels, "custody workers")
-                labels["bench (this process)"] = os.getpid()
-                databases = [ENGINE_DB, PARTICIPANT_DB]
                 async with (
                     Probe(admin_url, labels, groups, databases) as probe,
                     ActivitySampler(admin_url, databases) as sampler,
@@ -347,6 +353,7 @@ async def run_custody(
             cpu=cpu,
             backlog=seeded,
             light_hops=hops,
+            light_cpu=light_cpu if lights else None,
             **figures,
         )
         _verify(result, counts)

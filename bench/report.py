@@ -714,6 +714,19 @@ class Report:
             lines += ["", f"### {c.label}, {c.replicas} replica(s) ({c.ops:,} operations)", ""]
             lines += _cpu_table(c.cpu, c.ops, m.nproc)
             lines += _activity_table(c.cpu.activity)
+            if c.light_cpu is not None and c.light_ops:
+                lines += [
+                    "",
+                    f"### {c.label}, light load ({c.light_ops:,} operations of"
+                    f" {c.light_instances:,} instances run one at a time)",
+                    "",
+                    "Each unit of work here carries one item, so each process pays its fixed"
+                    " cost per unit (a transaction and its statements, a delivery, an ack, a"
+                    " confirm) once per operation; `bench-poll` is the bench waiting for each"
+                    " instance to finish (every 10 ms).",
+                    "",
+                ]
+                lines += _cpu_table(c.light_cpu, c.light_ops, m.nproc)
         for r in self.peers:
             lines += ["", f"### {r.system} {r.version} ({r.ops:,} operations)", ""]
             lines += _cpu_table(r.cpu, r.ops, m.nproc)
