@@ -227,3 +227,34 @@ def seed_unknown_operation(
         (iid, oid),
     )
     return iid, oid
+
+
+class RoundTrips:
+    """Counts the round trips to Postgres of every transaction from now on (``n``): a
+    pipeline's syncs (``db.Tx`` waiting for what it sent), the fetches that had to wait
+    for a statement's answer, and the flight that ends each transaction (its COMMIT or
+    ROLLBACK). A test that pins how many a unit costs fails when a change adds one."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.n = 0
+        sync = psycopg.AsyncPipeline.sync
+        exit_ = psycopg.AsyncPipeline.__aexit__
+        fetch = psycopg.AsyncCursor._fetch_pipeline
+
+        async def counted_sync(pipeline: psycopg.AsyncPipeline) -> None:
+            self.n += 1
+            await sync(pipeline)
+
+        async def counted_exit(pipeline: psycopg.AsyncPipeline, *exc: Any) -> None:
+            self.n += 1
+            await exit_(pipeline, *exc)
+
+        async def counted_fetch(cursor: psycopg.AsyncCursor[Any]) -> None:
+            # the condition under which psycopg waits for the answer (no result yet)
+            if cursor.pgresult is None and cursor.connection._pipeline is not None:
+                self.n += 1
+            await fetch(cursor)
+
+        monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)
+        monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", counted_exit)
+        monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)

@@ -19,7 +19,7 @@ from contracts import codec, identity
 from contracts.models import CancelCommand, OperationReceipt, QueryAnswer, QueryCommand
 from participants import samples
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, Running, client, drain, publish_raw
+from tests.harness import InProcessFleet, RoundTrips, Running, client, drain, publish_raw
 from tests.integration.test_participant import _status, submit
 from workers.io import broker, db
 from workers.participant import service
@@ -901,6 +901,48 @@ async def test_the_writes_of_a_batch_of_handlers_are_answered_together_each_effe
     assert await env.scalar(STOCK, participant=True) == before + 2 * len(releases)
     terminal = [r for r in await _outbox(env) if r.status == "succeeded"]
     assert sorted(r.request_id for r in terminal) == sorted(c.request_id for c in releases)
+
+
+async def test_an_inline_batch_is_accepted_in_four_round_trips_and_hands_its_receipts_after(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": a batch's acceptance, effects and terminal receipts commit together,
+    and the receipts it queued go to the participant's own publisher only after that
+    commit, the ones its insert took. Whatever the batch's size the unit costs four
+    round trips (the tombstones; the inbox's insert; the handlers' writes, answered with
+    the completion; the receipts' insert, the outbox's and the COMMIT, whose ids come
+    back with the commit's answer), where it cost six."""
+    releases = [submit(operation="inventory.release") for _ in range(12)]
+    handed: list[dict[str, Any]] = []
+
+    class Sender:
+        """The participant's own publisher, as acceptance sees it."""
+
+        holder = "test-sender"
+        claim_ttl_s = 60.0
+
+        def hand(self, rows: Sequence[dict[str, Any]]) -> None:
+            handed.extend(rows)
+
+    async with _inline(env, samples.HANDLERS["inventory"], {"inventory.release"}) as (
+        participant,
+        transactions,
+    ):
+        participant.sender = Sender()  # type: ignore[assignment]
+        trips = RoundTrips(monkeypatch)
+        assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
+        assert trips.n == 4, f"{trips.n} round trips"
+
+    assert transactions.n == 1
+    assert {await _status(env, c.request_id) for c in releases} == {"succeeded"}
+    assert sorted(r["operation_id"] for r in handed) == sorted(c.operation_id for c in releases)
+    assert {r["publish_attempts"] for r in handed} == {1}
+    claimed = await env.sql(
+        f"SELECT DISTINCT claimed_by FROM {SCHEMA}.outbox WHERE status = 'pending'",
+        participant=True,
+    )
+    assert claimed == [("test-sender",)]
 
 
 async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blames_its_handler(

@@ -17,6 +17,8 @@ from typing import Any, cast
 import pytest
 
 from tests.conftest import Env
+from tests.harness import RoundTrips
+from workers import errors
 from workers.io import broker, db
 from workers.runtime.outbox import OutboxPublisher
 
@@ -105,3 +107,60 @@ async def test_without_a_holder_receipts_are_queued_for_any_publisher(
     claimed = await _publisher(database, ttl=60).claim()
     assert {str(r["id"]) for r in claimed} == {r["id"] for r in rows}
     assert {r["publish_attempts"] for r in claimed} == {1}
+
+
+async def test_a_claim_is_answered_with_its_commit_in_one_round_trip(
+    database: db.Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker confirmation boundary: a row is published only once its claim
+    committed. The claim's rows come back with its commit's answer: the claim costs one
+    round trip (it cost two: the claim's rows, then the commit), and what it returns is
+    already claimed for everyone else."""
+    rows = await _queue(database, None, 0.0)  # claimable by any publisher
+    ours, other = _publisher(database, ttl=60), _publisher(database, ttl=60)
+    trips = RoundTrips(monkeypatch)
+    claimed = await ours.claim()
+    assert trips.n == 1
+    assert {str(r["id"]) for r in claimed} == {r["id"] for r in rows}
+    assert {r["publish_attempts"] for r in claimed} == {1}
+    assert await other.claim() == []  # committed: held for the publisher that claimed
+
+
+async def test_a_claim_whose_commit_is_fenced_returns_nothing(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker confirmation boundary: a publisher paused past its lease (its epoch
+    was taken back since) must not publish what it claimed. The claim's rows are read
+    only once its commit answered, so a fenced claim returns none and claims nothing:
+    the live publisher claims the row at once."""
+    engine = db.Database(env.settings.database_url, schema="custody", name="test-fenced")
+    await engine.open()
+    try:
+        await env.sql(
+            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body)"
+            " VALUES (gen_random_uuid(), 'query', 'custody.commands', 'payments.v1', '')"
+        )
+        lease = db.Lease("publisher", ttl_s=60)
+        await engine.acquire(lease)
+        paused = _engine_publisher(engine, db.Lease("publisher", lease.holder, lease.epoch, 60))
+        await engine.acquire(lease)  # taken back: the paused one's epoch is stale
+        trips = RoundTrips(monkeypatch)
+        with pytest.raises(errors.Fenced):
+            await paused.claim()
+        assert trips.n == 1
+        live = await _engine_publisher(engine, lease).claim()
+        assert [r["kind"] for r in live] == ["query"]
+    finally:
+        await engine.close()
+
+
+def _engine_publisher(database: db.Database, lease: db.Lease) -> OutboxPublisher:
+    return OutboxPublisher(
+        owner="engine",
+        database=database,
+        lease=lease,
+        publisher=cast(broker.Publisher, None),  # nothing is published here
+        batch_size=10,
+        claim_ttl_s=60,
+        engine=True,
+    )

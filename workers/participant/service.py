@@ -180,11 +180,14 @@ def _outbox_row(
 
 @dataclass
 class Queued:
-    """What a commit queued in the outbox: rows claimed by our publisher, to hand to it
-    after the commit, and whether it queued rows that only a claim of the table finds."""
+    """What a commit queued in the outbox: the rows it offered (claimed by our publisher,
+    when there is one, to hand to it after the commit), the answer naming those its
+    insert took (read after the commit: it comes with the commit's, in one round trip),
+    and whether it queued rows that only a claim of the table finds."""
 
-    handoff: list[dict[str, Any]]
+    offered: list[dict[str, Any]]
     claimable: bool
+    inserted: db.Answer | None = None
 
 
 def _handed(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -441,7 +444,7 @@ class Participant:
                 )
         if left_for_executor:
             self.executor_due = True
-        self._queued(queued)
+        await self._queued(queued)
         if done:
             faults.crash_point("after_effect_before_receipt_sent")
         faults.crash_point("after_commit_before_ack")
@@ -499,8 +502,14 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
-        await _settle(tx)
-        await _complete(tx, done)
+        if done and not self._careful_unit:
+            # the handlers' writes sent without waiting are answered with the completion
+            # (one round trip): an error there is no known handler's (_deferred_errors)
+            with _deferred_errors(tx):
+                await _complete(tx, done)
+        else:
+            await _settle(tx)
+            await _complete(tx, done)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
@@ -715,24 +724,17 @@ class Participant:
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
             for r in unjournaled
         ]
-        queued = Queued([], bool(answers))
+        queued = Queued(rows, bool(answers))
         if rows:
             sender = self.sender
-            mine = {
-                r["id"]
-                for r in await tx.rows(
-                    "p_outbox_insert",
-                    {
-                        "rows": db.jsonb(rows),
-                        "holder": sender.holder if sender else None,
-                        "ttl": sender.claim_ttl_s if sender else None,
-                    },
-                )
-            }
-            if sender is None:
-                queued.claimable = queued.claimable or bool(mine)
-            else:
-                queued.handoff = [_handed(r) for r in rows if r["id"] in mine]
+            queued.inserted = await tx.ask(
+                "p_outbox_insert",
+                {
+                    "rows": db.jsonb(rows),
+                    "holder": sender.holder if sender else None,
+                    "ttl": sender.claim_ttl_s if sender else None,
+                },
+            )
         # an answer is (re)sent for every query received, a repeated one included (one
         # statement per answer: its headers a jsonb parameter of their own)
         upserts = [
@@ -838,16 +840,22 @@ class Participant:
                     request_id=[r.request_id for r, _ in receipts],
                     status=[r.status for r, _ in receipts],
                 )
-        self._queued(queued)
+        await self._queued(queued)
         if receipts:
             faults.crash_point("after_effect_before_receipt_sent")
         return done, conflicted
 
-    def _queued(self, queued: Queued) -> None:
-        """After a commit: the receipts it queued claimed by our publisher go to it; the
-        publisher claims from the table when the commit queued rows only a claim finds."""
-        if queued.handoff and self.sender is not None:
-            self.sender.hand(queued.handoff)
+    async def _queued(self, queued: Queued) -> None:
+        """After a commit: the receipts it queued claimed by our publisher go to it (the
+        ones its insert took: a repeated id is a row queued before, not ours to send);
+        the publisher claims from the table when the commit queued rows only a claim
+        finds."""
+        if queued.inserted is not None:
+            mine = {r["id"] for r in await queued.inserted.rows()}
+            if self.sender is None:
+                queued.claimable = queued.claimable or bool(mine)
+            else:
+                self.sender.hand([_handed(r) for r in queued.offered if r["id"] in mine])
         if queued.claimable:
             self.outbox_due = True
 

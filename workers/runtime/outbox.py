@@ -1,11 +1,12 @@
 """The outbox publisher: owner of the *broker confirmation* boundary.
 
 Claims pending rows in batches (``FOR UPDATE SKIP LOCKED`` plus a claim expiry, in a
-short transaction), publishes them with a bounded window of unconfirmed messages,
-and marks a row published — in a second short transaction — only after a positive,
-non-returned confirm. A nack, a return or a timeout leaves the row pending, to be
-sent again with backoff under the same message id. No transaction is held open
-while publishing. The same code serves the engine's outbox and a participant's.
+short transaction whose rows are read with its commit's answer), publishes them with a
+bounded window of unconfirmed messages, and marks a row published — in a second short
+transaction — only after a positive, non-returned confirm. A nack, a return or a
+timeout leaves the row pending, to be sent again with backoff under the same message
+id. No transaction is held open while publishing. The same code serves the engine's
+outbox and a participant's.
 
 A participant's receipts skip the claim: its commit queues them already claimed by its
 own publisher (``p_outbox_insert``) and hands them over after the commit
@@ -91,8 +92,11 @@ class OutboxPublisher:
             )
 
     async def claim(self) -> list[dict[str, Any]]:
+        """Claim a batch in a short transaction. The claimed rows are read once it has
+        committed: they come back with the commit's answer, in one round trip, and a
+        claim that did not commit (fenced, failed) returns none."""
         async with self.db.transaction(self.lease) as tx:
-            return await tx.rows(
+            claimed = await tx.ask(
                 "outbox_claim" if self.engine else "p_outbox_claim",
                 {
                     "holder": self.holder,
@@ -101,6 +105,7 @@ class OutboxPublisher:
                     "held": self.hold_submits,
                 },
             )
+        return await claimed.rows()
 
     async def run_once(self, *, claim: bool = True) -> int:
         """One claim → publish → mark cycle; returns how many rows it claimed. Rows
