@@ -19,7 +19,7 @@ from typing import Any
 from contracts import codec
 from contracts.models import CancelRequest
 from participants import samples
-from tests.conftest import MGMT, Env, wait_until
+from tests.conftest import DEV_PASSWORD, MGMT, Env, wait_until
 from tests.fixtures import processes
 from tests.harness import InProcessFleet, client, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, purge, status_of, until_status
@@ -319,7 +319,7 @@ async def test_cancel_requests_on_the_queue_are_authorized_as_their_broker_user(
     a cancel request is acted on as the delivery's broker-validated user_id."""
     fleet.start_all(participants=())
     await broker.management(
-        MGMT, "PUT", "/api/users/custody-frontend", {"password": "frontend-dev", "tags": ""}
+        MGMT, "PUT", "/api/users/custody-frontend", {"password": DEV_PASSWORD, "tags": ""}
     )
     await broker.management(
         MGMT,
@@ -338,7 +338,7 @@ async def test_cancel_requests_on_the_queue_are_authorized_as_their_broker_user(
             else dataclasses.replace(
                 env.settings,
                 amqp_url=env.settings.amqp_url.replace(
-                    "guest:guest", "custody-frontend:frontend-dev"
+                    "guest:guest", f"custody-frontend:{DEV_PASSWORD}"
                 ),
             )
         )

@@ -28,7 +28,7 @@ import pytest
 
 from contracts import codec, identity
 from contracts.models import CancelRequest
-from tests.conftest import MGMT, Env, wait_until
+from tests.conftest import DEV_PASSWORD, MGMT, Env, wait_until
 from tests.harness import InProcessFleet, order, publish_raw, publish_starts
 from tests.integration.test_recovery import custody, env_vars
 from workers.core import process
@@ -557,7 +557,7 @@ async def test_a_queued_cancel_request_for_a_running_instance_settles_it_under_t
     cancelling, its cancel is sent, the committer stays up."""
     fleet.start_all(participants=())
     await broker.management(
-        MGMT, "PUT", "/api/users/custody-frontend", {"password": "frontend-dev", "tags": ""}
+        MGMT, "PUT", "/api/users/custody-frontend", {"password": DEV_PASSWORD, "tags": ""}
     )
     await broker.management(
         MGMT,
@@ -572,7 +572,7 @@ async def test_a_queued_cancel_request_for_a_running_instance_settles_it_under_t
     )
     frontend = dataclasses.replace(
         env.settings,
-        amqp_url=env.settings.amqp_url.replace("guest:guest", "custody-frontend:frontend-dev"),
+        amqp_url=env.settings.amqp_url.replace("guest:guest", f"custody-frontend:{DEV_PASSWORD}"),
     )
     await publish_raw(
         frontend,
