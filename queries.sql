@@ -277,7 +277,9 @@ ON CONFLICT (receipt_id) DO NOTHING;
 -- One statement for the batch's changes, each operation at most once (the caller folds
 -- an operation's changes in one batch into one: records.fold_updates), each guarded by
 -- the status it was judged from: a row count below the changes' is a row changed under
--- its lock. By primary key (a nested loop over the batch's rows).
+-- its lock, raised here (CU004, the unit is redone) so that the caller need not wait for
+-- the count. By primary key (a nested loop over the batch's rows).
+WITH applied AS (
 UPDATE operations o
    SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
        receipt_hash = r.receipt_hash, result = coalesce(r.result, o.result),
@@ -289,7 +291,10 @@ UPDATE operations o
        AS r(id uuid, expected custody.operation_status, status custody.operation_status,
             effect custody.effect, owner_revision integer, receipt_hash text, result jsonb,
             error jsonb, terminal boolean, retry_in double precision)
- WHERE o.id = r.id AND o.status = r.expected;
+ WHERE o.id = r.id AND o.status = r.expected
+RETURNING o.id)
+SELECT custody.changed_under_lock('an operation of the batch')
+ WHERE (SELECT count(*) FROM applied) <> jsonb_array_length(%(rows)s);
 
 -- name: node_finish
 -- The batch's finished nodes, in one statement.

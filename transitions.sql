@@ -791,6 +791,7 @@ GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publis
 -- functions every role's queries use
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
+GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

@@ -18,9 +18,17 @@ operation were in one batch.
 from __future__ import annotations
 
 import dataclasses
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
 
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, order, publish_starts
+from tests.harness import InProcessFleet, RoundTrips, order, publish_starts
+from workers import errors
+from workers.core import lifecycle, records
+from workers.io import db
 
 ORDERS = 12
 
@@ -103,3 +111,86 @@ async def test_an_accepted_and_a_terminal_receipt_in_one_batch_apply_as_in_seque
     assert len(recorded) == ORDERS
     assert all(n == 2 and revisions == 2 for _, n, revisions, _ in recorded)
     assert any(transactions == 1 for *_, transactions in recorded)
+
+
+def _operation(env: Env, status: str) -> tuple[str, str]:
+    """One running instance with one operation in ``status``: (instance, operation)."""
+    iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
+    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
+            " process_version, input, status, requested_by, routes)"
+            " VALUES (%s, 'acme', gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running',"
+            " 'test', '{}')",
+            (iid,),
+        )
+        conn.execute(
+            "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+            " operation, route, owner, principal, binding, input, lineage, attempt,"
+            " digest, status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
+            " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
+            " 'inventory.v1', '{}', '{}', 1, 'x', %s, 60)",
+            (oid, iid, status),
+        )
+    return iid, oid
+
+
+def _accepted(oid: str, expected: lifecycle.Status) -> records.OperationUpdate:
+    return records.OperationUpdate(
+        id=oid,
+        expected=expected,
+        status=lifecycle.Status.ACCEPTED,
+        effect=lifecycle.Effect.UNKNOWN,
+        owner_revision=1,
+        receipt_hash="h",
+    )
+
+
+async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whole(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Successful application records the result and next-step intent atomically: each
+    change of a batch is guarded by the status its receipt was judged from. The batch's
+    one statement raises when a change's operation is no longer in that status (it
+    changed under its row lock: CU004, the unit is redone, re-reading everything), so
+    the unit keeps nothing it sent, and the receipt consumer does not wait for the
+    statement's row count: applying a batch costs one round trip for its writes and
+    commit, under the receipt consumer's own role."""
+    moved_iid, moved = _operation(env, "dispatched")
+    kept_iid, kept = _operation(env, "dispatched")
+    receipts_db = db.Database(
+        db.with_user(env.settings.database_url, "custody_receipts"),
+        schema="custody",
+        name="test-apply",
+        max_size=1,
+    )
+    await receipts_db.open()
+
+    async def apply(iid: str, oid: str, judged: lifecycle.Status) -> None:
+        async with receipts_db.transaction() as tx:
+            await tx.send_many("operation_apply", [_accepted(oid, judged).params(db.jsonb)])
+            await tx.send_many("history_insert", [_history(iid, oid)])
+
+    try:
+        with pytest.raises(errors.DatabaseError) as failed:
+            await apply(moved_iid, moved, lifecycle.Status.PENDING)
+        assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
+        assert failed.value.kind is errors.Retry.RETRY
+
+        trips = RoundTrips(monkeypatch)
+        await apply(kept_iid, kept, lifecycle.Status.DISPATCHED)
+        assert trips.n == 1
+    finally:
+        await receipts_db.close()
+
+    rows = await env.sql(
+        "SELECT o.id::text, o.status::text,"
+        " (SELECT count(*) FROM custody.history h WHERE h.operation_id = o.id)"
+        " FROM custody.operations o WHERE o.id = ANY(%s::uuid[])",
+        ([moved, kept],),
+    )
+    assert sorted(rows) == sorted([(kept, "accepted", 1), (moved, "dispatched", 0)])
+
+
+def _history(iid: str, oid: str) -> dict[str, Any]:
+    return records.History(iid, "operation.accepted", "receipts", operation_id=oid).params(db.jsonb)

@@ -184,8 +184,8 @@ class OperationRow:
 @dataclass(frozen=True)
 class OperationUpdate:
     """One guarded operation status change (``operation_apply``: WHERE status =
-    ``expected``; a smaller row count than the folded updates is a row changed under
-    its lock)."""
+    ``expected``; a change whose row is not in that status is a row changed under its
+    lock, which fails the statement with CU004)."""
 
     id: str
     expected: lifecycle.Status
