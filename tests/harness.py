@@ -230,10 +230,12 @@ def seed_unknown_operation(
 
 
 class RoundTrips:
-    """Counts the round trips to Postgres of every transaction from now on (``n``): a
-    pipeline's syncs (``db.Tx`` waiting for what it sent), the fetches that had to wait
-    for a statement's answer, and the flight that ends each transaction (its COMMIT or
-    ROLLBACK). A test that pins how many a unit costs fails when a change adds one."""
+    """Counts the round trips to Postgres of every transaction from now on (``n``),
+    those made in pipeline mode (``db.Database.transaction``): a pipeline's syncs (``db.Tx``
+    waiting for what it sent), the fetches that had to wait for a statement's answer,
+    and the flight that closes the pipeline (with the COMMIT, or the ROLLBACK of a unit
+    that failed inside it). Statements outside a pipeline are not counted. A test that
+    pins how many a unit costs fails when a change adds one."""
 
     def __init__(self, monkeypatch: Any) -> None:
         self.n = 0

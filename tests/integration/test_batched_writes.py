@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any
 
 import psycopg
 import pytest
@@ -28,6 +27,7 @@ from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, RoundTrips, order, publish_starts
 from workers import errors
 from workers.core import lifecycle, records
+from workers.engine import receipts
 from workers.io import db
 
 ORDERS = 12
@@ -154,8 +154,8 @@ async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whol
     one statement raises when a change's operation is no longer in that status (it
     changed under its row lock: CU004, the unit is redone, re-reading everything), so
     the unit keeps nothing it sent, and the receipt consumer does not wait for the
-    statement's row count: applying a batch costs one round trip for its writes and
-    commit, under the receipt consumer's own role."""
+    statement's row count: the consumer's writes of a batch and its commit cost one
+    round trip, under the receipt consumer's own role."""
     moved_iid, moved = _operation(env, "dispatched")
     kept_iid, kept = _operation(env, "dispatched")
     receipts_db = db.Database(
@@ -167,9 +167,13 @@ async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whol
     await receipts_db.open()
 
     async def apply(iid: str, oid: str, judged: lifecycle.Status) -> None:
+        """The receipt consumer's writes of a batch (``receipts._write``), in a unit."""
+        writes = receipts._Writes(
+            updates=[_accepted(oid, judged)],
+            history=[records.History(iid, "operation.accepted", "receipts", operation_id=oid)],
+        )
         async with receipts_db.transaction() as tx:
-            await tx.send_many("operation_apply", [_accepted(oid, judged).params(db.jsonb)])
-            await tx.send_many("history_insert", [_history(iid, oid)])
+            await receipts._write(tx, writes)
 
     try:
         with pytest.raises(errors.DatabaseError) as failed:
@@ -190,7 +194,3 @@ async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whol
         ([moved, kept],),
     )
     assert sorted(rows) == sorted([(kept, "accepted", 1), (moved, "dispatched", 0)])
-
-
-def _history(iid: str, oid: str) -> dict[str, Any]:
-    return records.History(iid, "operation.accepted", "receipts", operation_id=oid).params(db.jsonb)

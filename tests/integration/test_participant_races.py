@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import psycopg
 import pytest
 
 from contracts import codec, identity
@@ -915,6 +916,8 @@ async def test_an_inline_batch_is_accepted_in_four_round_trips_and_hands_its_rec
     back with the commit's answer), where it cost six."""
     releases = [submit(operation="inventory.release") for _ in range(12)]
     handed: list[dict[str, Any]] = []
+    committed: list[int] = []  # of the handed rows, those another session saw when handed
+    url = env.settings.participant_database_url
 
     class Sender:
         """The participant's own publisher, as acceptance sees it."""
@@ -924,6 +927,12 @@ async def test_an_inline_batch_is_accepted_in_four_round_trips_and_hands_its_rec
 
         def hand(self, rows: Sequence[dict[str, Any]]) -> None:
             handed.extend(rows)
+            with psycopg.connect(url, autocommit=True) as conn:
+                seen = conn.execute(
+                    f"SELECT count(*) FROM {SCHEMA}.outbox WHERE id = ANY(%s::uuid[])",
+                    ([r["id"] for r in rows],),
+                ).fetchone()
+            committed.append(seen[0] if seen else 0)
 
     async with _inline(env, samples.HANDLERS["inventory"], {"inventory.release"}) as (
         participant,
@@ -937,6 +946,7 @@ async def test_an_inline_batch_is_accepted_in_four_round_trips_and_hands_its_rec
     assert transactions.n == 1
     assert {await _status(env, c.request_id) for c in releases} == {"succeeded"}
     assert sorted(r["operation_id"] for r in handed) == sorted(c.operation_id for c in releases)
+    assert committed == [len(releases)], "handed over once their commit was visible"
     assert {r["publish_attempts"] for r in handed} == {1}
     claimed = await env.sql(
         f"SELECT DISTINCT claimed_by FROM {SCHEMA}.outbox WHERE status = 'pending'",

@@ -145,3 +145,35 @@ async def test_the_end_of_a_unit_costs_one_round_trip_whatever_it_writes(
         conn.pgconn.untrace()
     assert await _history_rows(env, instance) == 5
     assert _round_trips(trace.read_text()) == 2
+
+
+async def test_an_answer_is_read_after_its_transaction_only_if_it_committed(
+    env: Env, database: db.Database
+) -> None:
+    """A query sent with ``Tx.ask`` may be read after its transaction, its answer having
+    come with the commit's (what a claim does): those rows are durable. The answer of a
+    transaction that rolled back is refused: its rows were never kept, and its
+    connection may be another unit's by then."""
+    instance = str(uuid.uuid4())
+    async with database.transaction() as tx:
+        await tx.send_many("history_insert", [_history(instance, "kept")])
+        kept = await tx.ask("instance_history", {"id": instance})
+    assert [r["event"] for r in await kept.rows()] == ["kept"]
+
+    class Undone(Exception):
+        pass
+
+    asked: list[db.Answer] = []
+
+    async def undone() -> None:
+        async with database.transaction() as tx:
+            await tx.send_many("history_insert", [_history(instance, "undone")])
+            asked.append(await tx.ask("instance_history", {"id": instance}))
+            raise Undone
+
+    with pytest.raises(Undone):
+        await undone()
+    [lost] = asked
+    with pytest.raises(errors.CustodyError, match="rolled back"):
+        await lost.rows()
+    assert await _history_rows(env, instance) == 1

@@ -173,6 +173,10 @@ class Tx:
         # its answer (see business); ``deferred`` counts those sent so far
         self.defer_writes = False
         self.deferred = 0
+        # set once the COMMIT answered, and once the transaction is over: an Answer is
+        # readable after the transaction only if it committed
+        self.committed = False
+        self.ended = False
 
     async def _answers(self) -> None:
         """Read the answers of everything sent (one round trip): a statement's row
@@ -316,14 +320,18 @@ class Tx:
 
 class Answer:
     """The rows of a query sent by :meth:`Tx.ask`, read when they are needed: inside
-    the transaction (waiting for them if they have not come yet) or after it ended
-    (they came with the commit's answer; reading them is no I/O)."""
+    the transaction (waiting for them if they have not come yet) or after it committed
+    (they came with the commit's answer; reading them is no I/O). After a transaction
+    that did not commit they are refused: its rows were never kept."""
 
     def __init__(self, tx: Tx, cursor: psycopg.AsyncCursor[Row]) -> None:
         self._tx = tx
         self._cursor = cursor
 
     async def rows(self) -> list[Row]:
+        if self._tx.ended and not self._tx.committed:
+            # its rows were never kept, and its connection may be another unit's by now
+            raise errors.CustodyError("an answer read after its transaction rolled back")
         found = await self._cursor.fetchall()
         self._tx._unanswered = False  # reading one answer reads all those before it
         return found
@@ -525,6 +533,7 @@ class Database:
         # the lease back (epoch + 1) while this unit was paused must not make the
         # paused unit's commit current again.
         fence_epoch = None if lease is None else (lease.epoch if epoch is None else epoch)
+        tx: Tx | None = None
         try:
             async with self._pool.connection() as conn:
                 committing = False
@@ -536,8 +545,9 @@ class Database:
                     # round trip, and an error of any of them is raised there
                     async with conn.pipeline() as pipeline:
                         await _control(conn, _BEGIN)
+                        tx = Tx(conn, pipeline)
                         try:
-                            yield Tx(conn, pipeline)
+                            yield tx
                             if lease is not None:
                                 await conn.execute(
                                     "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
@@ -548,6 +558,7 @@ class Database:
                             raise
                         await _control(conn, _COMMIT)
                         committing = True
+                    tx.committed = True  # the pipeline closed: the COMMIT answered
                 except psycopg.Error as exc:
                     await _abandon(conn)
                     error = _translate(exc, during_commit=committing)
@@ -559,6 +570,9 @@ class Database:
             raise errors.DatabaseError(
                 f"no connection to Postgres: {exc}", errors.Retry.RETRY
             ) from exc
+        finally:
+            if tx is not None:
+                tx.ended = True
         self.healthy = True
 
     async def acquire(self, lease: Lease) -> int:

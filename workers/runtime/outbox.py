@@ -93,8 +93,8 @@ class OutboxPublisher:
 
     async def claim(self) -> list[dict[str, Any]]:
         """Claim a batch in a short transaction. The claimed rows are read once it has
-        committed: they come back with the commit's answer, in one round trip, and a
-        claim that did not commit (fenced, failed) returns none."""
+        committed: they come back with the commit's answer, in one round trip. A claim
+        that did not commit (fenced, failed) raises, and none of its rows is read."""
         async with self.db.transaction(self.lease) as tx:
             claimed = await tx.ask(
                 "outbox_claim" if self.engine else "p_outbox_claim",
