@@ -167,13 +167,13 @@ async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whol
     await receipts_db.open()
 
     async def apply(iid: str, oid: str, judged: lifecycle.Status) -> None:
-        """The receipt consumer's writes of a batch (``receipts._write``), in a unit."""
-        writes = receipts._Writes(
+        """The receipt consumer's writes of a batch (``receipts.write``), in a unit."""
+        writes = receipts.Writes(
             updates=[_accepted(oid, judged)],
             history=[records.History(iid, "operation.accepted", "receipts", operation_id=oid)],
         )
         async with receipts_db.transaction() as tx:
-            await receipts._write(tx, writes)
+            await receipts.write(tx, writes)
 
     try:
         with pytest.raises(errors.DatabaseError) as failed:

@@ -463,9 +463,22 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-# run on the young database for a batch of no row: ``operation_apply`` raises for a
-# change whose row it did not find (an operation changed under its lock)
-EMPTY_BATCH = ("operation_apply",)
+# ``operation_apply`` raises for a change whose row is not in its expected status (an
+# operation changed under its lock): on the young database it runs for one operation,
+# left as it is (pending to pending)
+UNCHANGED = str(uuid.uuid4())
+APPLY_UNCHANGED = {
+    "id": UNCHANGED,
+    "expected": "pending",
+    "status": "pending",
+    "effect": "unknown",
+    "owner_revision": 0,
+    "receipt_hash": None,
+    "result": None,
+    "error": None,
+    "terminal": False,
+    "retry_in": None,
+}
 
 
 @pytest.fixture
@@ -489,23 +502,29 @@ async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_
     statement for them, while an ordinary one is prepared), and planned for each
     execution they reach the rows by their keys on a table that grew since it was last
     analysed."""
+    with psycopg.connect(growing, autocommit=True) as conn:
+        iid = str(uuid.uuid4())
+        conn.execute(
+            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
+            " process_version, input, status, requested_by, routes) VALUES (%s, 'acme',"
+            " gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running', 'plan-test', '{}')",
+            (iid,),
+        )
+        conn.execute(
+            "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+            " operation, route, owner, principal, binding, input, lineage, attempt, digest,"
+            " status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
+            " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
+            " 'inventory.v1', '{}', '{}', 1, 'x', 'pending', 60)",
+            (UNCHANGED, iid),
+        )
     database = db.Database(growing, schema="custody", name="plan-test", min_size=1, max_size=1)
     await database.open()
     try:
         for _ in range(8):  # past psycopg's prepare_threshold (5), one connection
             async with database.transaction() as tx:
                 for name, (_, _, params) in PER_EXECUTION.items():
-                    if name in EMPTY_BATCH:
-                        # executed as the worker executes it (db.Tx), for a batch of no
-                        # row: for a change whose row it did not find it raises (CU004)
-                        await tx._conn.execute(
-                            sql.query(name),
-                            {"rows": psycopg.types.json.Jsonb([])},
-                            prepare=db._prepare(name),
-                        )
-                        await tx.settle()
-                    else:
-                        await tx.run(name, params)
+                    await tx.run(name, APPLY_UNCHANGED if name == "operation_apply" else params)
                 await tx.rows("instances_get", {"ids": [uuid.uuid4()]})
         async with database.transaction() as tx:
             prepared = {

@@ -29,7 +29,7 @@ AckPolicy = "ack after commit; invalid receipts are quarantined in that commit a
 
 
 @dataclass
-class _Writes:
+class Writes:
     """Everything one batch writes, in the order the transaction writes it."""
 
     quarantine: list[records.Quarantine] = field(default_factory=list)
@@ -67,7 +67,7 @@ class ReceiptConsumer:
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
         """Validate and apply a batch in one transaction; returns each delivery's verdict."""
-        w = _Writes()
+        w = Writes()
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
         for i, d in enumerate(deliveries):
@@ -112,7 +112,7 @@ class ReceiptConsumer:
             for i, d, message in decoded:
                 with logs.bound(**_ids(d, message, rows)):
                     verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
-            await _write(tx, w)
+            await write(tx, w)
             if span.recording:
                 span.set(
                     operation_id=op_ids,
@@ -136,7 +136,7 @@ class ReceiptConsumer:
         rows: dict[str, records.OperationRow],
         issued: dict[str, validation.IssuedRequest],
         seen_maps: tuple[dict[str, str], dict[tuple[str, int, int], str]],
-        w: _Writes,
+        w: Writes,
     ) -> str:
         """Judge one delivery (pure) and collect its writes."""
         seen, revisions = seen_maps
@@ -214,7 +214,7 @@ class ReceiptConsumer:
             return validation.PinnedNode(row.node, None, str(exc))
 
 
-async def _write(tx: db.Tx, w: _Writes) -> None:
+async def write(tx: db.Tx, w: Writes) -> None:
     """The batch's writes, in one transaction, in an order that each depends on."""
     await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in w.quarantine])
     await tx.send_many("receipt_record", [r.params() for r in w.receipts])
