@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,3 +260,17 @@ class RoundTrips:
         monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)
         monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", counted_exit)
         monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)
+
+
+@contextlib.asynccontextmanager
+async def role_database(
+    url: str, role: str, *, schema: str = "custody", name: str = "test"
+) -> AsyncIterator[db.Database]:
+    """A pool of one connection logged in as ``role`` (a worker's own least-privilege
+    Postgres role), open for the block."""
+    database = db.Database(db.with_user(url, role), schema=schema, name=name, max_size=1)
+    await database.open()
+    try:
+        yield database
+    finally:
+        await database.close()

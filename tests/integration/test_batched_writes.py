@@ -18,13 +18,12 @@ operation were in one batch.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 
-import psycopg
 import pytest
 
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, RoundTrips, order, publish_starts
+from tests.harness import InProcessFleet, RoundTrips, order, publish_starts, role_database
+from tests.integration.test_least_privilege import _row
 from workers import errors
 from workers.core import lifecycle, records
 from workers.engine import receipts
@@ -113,28 +112,6 @@ async def test_an_accepted_and_a_terminal_receipt_in_one_batch_apply_as_in_seque
     assert any(transactions == 1 for *_, transactions in recorded)
 
 
-def _operation(env: Env, status: str) -> tuple[str, str]:
-    """One running instance with one operation in ``status``: (instance, operation)."""
-    iid, oid = str(uuid.uuid4()), str(uuid.uuid4())
-    with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
-            " process_version, input, status, requested_by, routes)"
-            " VALUES (%s, 'acme', gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running',"
-            " 'test', '{}')",
-            (iid,),
-        )
-        conn.execute(
-            "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
-            " operation, route, owner, principal, binding, input, lineage, attempt,"
-            " digest, status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
-            " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
-            " 'inventory.v1', '{}', '{}', 1, 'x', %s, 60)",
-            (oid, iid, status),
-        )
-    return iid, oid
-
-
 def _accepted(oid: str, expected: lifecycle.Status) -> records.OperationUpdate:
     return records.OperationUpdate(
         id=oid,
@@ -156,36 +133,27 @@ async def test_a_change_whose_operation_moved_under_its_lock_fails_its_unit_whol
     the unit keeps nothing it sent, and the receipt consumer does not wait for the
     statement's row count: the consumer's writes of a batch and its commit cost one
     round trip, under the receipt consumer's own role."""
-    moved_iid, moved = _operation(env, "dispatched")
-    kept_iid, kept = _operation(env, "dispatched")
-    receipts_db = db.Database(
-        db.with_user(env.settings.database_url, "custody_receipts"),
-        schema="custody",
-        name="test-apply",
-        max_size=1,
-    )
-    await receipts_db.open()
+    moved, kept = _row(env, "operations", "dispatched"), _row(env, "operations", "dispatched")
 
-    async def apply(iid: str, oid: str, judged: lifecycle.Status) -> None:
+    async def apply(database: db.Database, oid: str, judged: lifecycle.Status) -> None:
         """The receipt consumer's writes of a batch (``receipts.write``), in a unit."""
+        iid = await env.scalar("SELECT instance_id FROM custody.operations WHERE id = %s", (oid,))
         writes = receipts.Writes(
             updates=[_accepted(oid, judged)],
             history=[records.History(iid, "operation.accepted", "receipts", operation_id=oid)],
         )
-        async with receipts_db.transaction() as tx:
+        async with database.transaction() as tx:
             await receipts.write(tx, writes)
 
-    try:
+    async with role_database(env.settings.database_url, "custody_receipts") as database:
         with pytest.raises(errors.DatabaseError) as failed:
-            await apply(moved_iid, moved, lifecycle.Status.PENDING)
+            await apply(database, moved, lifecycle.Status.PENDING)
         assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
         assert failed.value.kind is errors.Retry.RETRY
 
         trips = RoundTrips(monkeypatch)
-        await apply(kept_iid, kept, lifecycle.Status.DISPATCHED)
+        await apply(database, kept, lifecycle.Status.DISPATCHED)
         assert trips.n == 1
-    finally:
-        await receipts_db.close()
 
     rows = await env.sql(
         "SELECT o.id::text, o.status::text,"

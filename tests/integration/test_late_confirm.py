@@ -25,7 +25,7 @@ from typing import Any, cast
 import pytest
 
 from tests.conftest import Env
-from tests.harness import InProcessFleet, order, publish_starts
+from tests.harness import InProcessFleet, order, publish_starts, role_database
 from tests.integration.test_recovery import custody, op_id, until_status
 from workers.io import broker, db
 from workers.runtime.outbox import OutboxPublisher
@@ -53,14 +53,7 @@ async def _dispatched_events(env: Env, oid: str) -> int:
 async def publisher(env: Env) -> AsyncIterator[OutboxPublisher]:
     """The engine's outbox publisher, as the custody_publisher role, without a broker
     (claim and mark never publish: the test plays the broker's confirms)."""
-    database = db.Database(
-        db.with_user(env.settings.database_url, "custody_publisher"),
-        schema="custody",
-        name="test-publisher",
-        max_size=1,
-    )
-    await database.open()
-    try:
+    async with role_database(env.settings.database_url, "custody_publisher") as database:
         lease = db.Lease("publisher", ttl_s=30)
         await database.acquire(lease)
         yield OutboxPublisher(
@@ -72,8 +65,6 @@ async def publisher(env: Env) -> AsyncIterator[OutboxPublisher]:
             claim_ttl_s=60,
             engine=True,
         )
-    finally:
-        await database.close()
 
 
 async def _attempt_two_while_one_is_in_flight(

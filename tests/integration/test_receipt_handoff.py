@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 
 from tests.conftest import Env
-from tests.harness import RoundTrips
+from tests.harness import RoundTrips, role_database
 from workers import errors
 from workers.io import broker, db
 from workers.runtime.outbox import OutboxPublisher
@@ -27,28 +27,22 @@ SCHEMA = "participant_inventory"
 
 @pytest.fixture
 async def database(env: Env) -> AsyncIterator[db.Database]:
-    d = db.Database(
-        db.with_user(env.settings.participant_database_url, "custody_participant_inventory"),
-        schema=SCHEMA,
-        name="test-handoff",
-        max_size=2,
-    )
-    await d.open()
-    try:
+    url, role = env.settings.participant_database_url, "custody_participant_inventory"
+    async with role_database(url, role, schema=SCHEMA, name="test-handoff") as d:
         yield d
-    finally:
-        await d.close()
 
 
-def _publisher(database: db.Database, ttl: float) -> OutboxPublisher:
+def _publisher(database: db.Database, ttl: float, lease: db.Lease | None = None) -> OutboxPublisher:
+    """A publisher of a participant's outbox, or with a lease of the engine's; nothing
+    is published here."""
     return OutboxPublisher(
-        owner="inventory",
+        owner="inventory" if lease is None else "engine",
         database=database,
-        lease=None,
-        publisher=cast(broker.Publisher, None),  # nothing is published here
+        lease=lease,
+        publisher=cast(broker.Publisher, None),
         batch_size=10,
         claim_ttl_s=ttl,
-        engine=False,
+        engine=lease is not None,
     )
 
 
@@ -133,32 +127,16 @@ async def test_a_fenced_claim_reads_no_row_and_leaves_it_to_the_live_publisher(
     was taken back since) must not publish what it claimed. Its claim's rows are read
     only once the commit answered, so a fenced claim raises before any is read, and
     claims nothing: the live publisher claims the row at once."""
-    engine = db.Database(env.settings.database_url, schema="custody", name="test-fenced")
-    await engine.open()
-    try:
-        await env.sql(
-            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body)"
-            " VALUES (gen_random_uuid(), 'query', 'custody.commands', 'payments.v1', '')"
-        )
+    await env.sql(
+        "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body)"
+        " VALUES (gen_random_uuid(), 'query', 'custody.commands', 'payments.v1', '')"
+    )
+    async with role_database(env.settings.database_url, "custody_publisher") as engine:
         lease = db.Lease("publisher", ttl_s=60)
         await engine.acquire(lease)
-        paused = _engine_publisher(engine, db.Lease("publisher", lease.holder, lease.epoch, 60))
+        paused = _publisher(engine, 60, db.Lease("publisher", lease.holder, lease.epoch, 60))
         await engine.acquire(lease)  # taken back: the paused one's epoch is stale
         with pytest.raises(errors.Fenced):
             await paused.claim()
-        live = await _engine_publisher(engine, lease).claim()
+        live = await _publisher(engine, 60, lease).claim()
         assert [r["kind"] for r in live] == ["query"]
-    finally:
-        await engine.close()
-
-
-def _engine_publisher(database: db.Database, lease: db.Lease) -> OutboxPublisher:
-    return OutboxPublisher(
-        owner="engine",
-        database=database,
-        lease=lease,
-        publisher=cast(broker.Publisher, None),  # nothing is published here
-        batch_size=10,
-        claim_ttl_s=60,
-        engine=True,
-    )
