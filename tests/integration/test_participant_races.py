@@ -111,21 +111,6 @@ class _Savepoints:
         monkeypatch.setattr(db.Tx, "savepoint", counted)
 
 
-class _Waits:
-    """Counts the times a transaction waited for the answers of what it had sent
-    (``db.Tx._answers``: one round trip each) from now on (``n``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
-        answers = db.Tx._answers
-
-        async def counted(tx: db.Tx) -> None:
-            self.n += 1
-            await answers(tx)
-
-        monkeypatch.setattr(db.Tx, "_answers", counted)
-
-
 @contextlib.asynccontextmanager
 async def _inline(
     env: Env, handlers: Mapping[str, service.Handler], inline: Collection[str]
@@ -889,13 +874,13 @@ async def test_the_writes_of_a_batch_of_handlers_are_answered_together_each_effe
     batch of 12 handlers of two writes each waits a few times, not 24."""
     releases = [submit(operation="inventory.release") for _ in range(12)]
     before = await env.scalar(STOCK, participant=True)
-    waits = _Waits(monkeypatch)
+    waits = RoundTrips(monkeypatch)
     handlers = samples.HANDLERS["inventory"]
     async with _inline(env, handlers, {"inventory.release"}) as (participant, transactions):
         assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
 
     assert transactions.n == 1
-    assert waits.n <= 4, f"{waits.n} waits for 24 handler writes"
+    assert waits.n <= 4, f"{waits.n} round trips for 24 handler writes"
     statuses = {await _status(env, c.request_id) for c in releases}
     assert statuses == {"succeeded"}
     assert await _effects(env, "releases", releases) == sorted(c.operation_id for c in releases)

@@ -502,14 +502,7 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
-        if done and not self._careful_unit:
-            # the handlers' writes sent without waiting are answered with the completion
-            # (one round trip): an error there is no known handler's (_deferred_errors)
-            with _deferred_errors(tx):
-                await _complete(tx, done)
-        else:
-            await _settle(tx)
-            await _complete(tx, done)
+        await _complete(tx, done, careful=self._careful_unit)
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
@@ -818,9 +811,8 @@ class Participant:
                 done += 1
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
-            await _settle(tx)
             trace = {r.request_id: tp for r, tp in receipts if tp}
-            await _complete(tx, [r for r, _ in receipts])
+            await _complete(tx, [r for r, _ in receipts], careful=self._careful_unit)
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.send_many(
                 "p_outbox_supersede",
@@ -978,24 +970,33 @@ async def _settle(tx: db.Tx) -> None:
         await tx.settle()
 
 
-async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
+async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt], *, careful: bool) -> None:
     """The inbox rows of these terminal receipts take their status, effect, revision,
     result and error, in one statement (each row is locked by this transaction and
-    still accepted: inserted by it, or re-checked under its lock by the executor)."""
-    changed = await tx.run_many(
-        "p_exec_complete",
-        [
-            {
-                "request_id": r.request_id,
-                "status": r.status,
-                "effect": r.effect,
-                "owner_revision": r.owner_revision,
-                "result": r.result,
-                "error": r.error.model_dump() if r.error else None,
-            }
-            for r in receipts
-        ],
-    )
+    still accepted: inserted by it, or re-checked under its lock by the executor).
+
+    The writes the batch's handlers sent without waiting are answered with it, in one
+    round trip: an error there is no known handler's (:func:`_deferred_errors`). In a
+    careful unit every handler's writes were answered in its savepoint, so an error here
+    is the completion's own; with no receipt, they are answered on their own."""
+    if not receipts:
+        await _settle(tx)
+        return
+    with contextlib.nullcontext() if careful else _deferred_errors(tx):
+        changed = await tx.run_many(
+            "p_exec_complete",
+            [
+                {
+                    "request_id": r.request_id,
+                    "status": r.status,
+                    "effect": r.effect,
+                    "owner_revision": r.owner_revision,
+                    "result": r.result,
+                    "error": r.error.model_dump() if r.error else None,
+                }
+                for r in receipts
+            ],
+        )
     if changed != len(receipts):
         raise errors.RowChanged(f"{len(receipts) - changed} inbox rows changed under their lock")
 
