@@ -98,6 +98,20 @@ class Crew:
 
         await wait_until(check, timeout=timeout, interval=0.1, what=what)
 
+    async def wait_started(self, *, timeout: float = 30.0) -> None:
+        """Wait until every running process logged ``worker.started``: its SIGTERM
+        handler is installed just before (a process signalled earlier, still importing,
+        dies of the signal instead of draining)."""
+
+        async def started() -> bool:
+            return all(
+                '"event":"worker.started"' in p.log.read_text(errors="replace")
+                for p in self.fleet.procs
+                if p.popen.poll() is None
+            )
+
+        await self.wait(started, timeout=timeout, what="every process to install its handlers")
+
     async def wait_killed(self, proc: Proc, *, timeout: float = 30.0) -> None:
         """Wait for a process to die at its crash point: SIGKILL, exit -9."""
 

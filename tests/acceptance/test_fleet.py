@@ -69,6 +69,7 @@ async def test_sigterm_drains_every_worker_and_a_restarted_fleet_loses_and_doubl
     with every effect exactly once (nothing lost, nothing doubled)."""
     n = 150
     crew.start_all()
+    await crew.wait_started()
     await publish_starts(env.settings, [order(i) for i in range(n)])
 
     async def in_flight() -> bool:
