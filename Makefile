@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install services demo test test-unit test-tools lint bench schemas clean chaos soak \
+.PHONY: install services demo test test-unit test-tools lint bench profile schemas clean chaos soak \
 	chaos-cluster chaos-selftest chaos-tools
 
 $(STAMP): pyproject.toml
@@ -79,6 +79,11 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: install $(BENCH_STAMP) services
 	$(BIN)/python -m bench.run
+
+# custody alone (no peers, no backlog), each worker sampled by py-spy during the burst
+profile: install $(BENCH_STAMP) services
+	$(BIN)/python -m bench.run --peers none --no-backlog --replicas 1 --profile \
+		--output bench/results/profile.md
 
 schemas: install
 	$(BIN)/python scripts/gen_docs.py

@@ -23,6 +23,7 @@ from bench.backlog import Backlog, Seeded, seed
 from bench.common import BenchFailure
 from bench.cpu import CpuWindow, Probe
 from bench.pg_activity import ActivitySampler
+from bench.profile import ProcessProfile, Sampler
 from bench.resources import drop_database, fresh_vhost
 from workers import provision
 from workers.harness import demo, env, fleet
@@ -78,6 +79,8 @@ class CustodyResult:
     light_hops: list[Hop] = field(default_factory=list)
     # the processes' CPU while the light-load instances ran, one at a time
     light_cpu: CpuWindow | None = None
+    # py-spy's samples of each worker process during the burst (--profile)
+    profile: list[ProcessProfile] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -212,6 +215,7 @@ async def run_custody(
     light: int,
     logs: Path,
     backlog: Backlog | None = None,
+    profile: bool = False,
 ) -> CustodyResult:
     engine_url = env.with_db(settings.database_url, ENGINE_DB)
     part_url = env.with_db(settings.participant_database_url, PARTICIPANT_DB)
@@ -304,7 +308,10 @@ async def run_custody(
                         f" {seeded.seconds:.0f}s; database {seeded.database_mb:,.0f} MB",
                         flush=True,
                     )
+                workers = {p.name: p.popen.pid for p in crew.procs}
+                profiler = Sampler(workers) if profile else contextlib.nullcontext()
                 async with (
+                    profiler,
                     Probe(admin_url, labels, groups, databases) as probe,
                     ActivitySampler(admin_url, databases) as sampler,
                 ):
@@ -354,6 +361,7 @@ async def run_custody(
             backlog=seeded,
             light_hops=hops,
             light_cpu=light_cpu if lights else None,
+            profile=profiler.profiles if isinstance(profiler, Sampler) else [],
             **figures,
         )
         _verify(result, counts)

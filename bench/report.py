@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from bench import profile
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuWindow
 from bench.custody_run import CustodyResult
@@ -731,6 +732,18 @@ class Report:
             lines += ["", f"### {r.system} {r.version} ({r.ops:,} operations)", ""]
             lines += _cpu_table(r.cpu, r.ops, m.nproc)
             lines += _activity_table(r.cpu.activity)
+        for c in self.custody:
+            if c.profile:
+                lines += [
+                    "",
+                    f"## Where each worker's busy time goes, {c.label} (py-spy, the burst)",
+                    "",
+                    f"Every custody worker process sampled {profile.RATE} times a second by"
+                    " `py-spy record --nonblocking` from the burst's first submit to its last"
+                    " instance finished (`--profile`; bench/profile.py).",
+                    "",
+                    *profile.markdown(c.profile),
+                ]
         lines += [
             "",
             "`postgres ← X` is the backend serving the client whose application_name is X"

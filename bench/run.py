@@ -44,6 +44,7 @@ from bench.celery_run import run_celery
 from bench.common import BenchFailure
 from bench.custody_run import run_custody
 from bench.pgqueuer_run import run_pgqueuer
+from bench.profile import Sampler
 from bench.report import Report, command, machine_facts
 from bench.resources import exclusive
 from workers.settings import ROOT, Settings
@@ -67,6 +68,7 @@ class Options:
     celery_concurrency: int = 8
     pgqueuer_workers: int = 2
     backlog: Backlog | None = None
+    profile: bool = False
 
 
 def parse(argv: Sequence[str] | None = None) -> Options:
@@ -127,6 +129,12 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         type=int,
         help="pending (accepted, far deadline) operations seeded (default 20000, --quick 1000)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample every custody worker with py-spy during each custody burst and report"
+        " where its busy time goes (the bench extra has py-spy; `make profile`)",
+    )
     p.add_argument("--quick", action="store_true", help="a small run for smoke-testing")
     p.add_argument(
         "--output",
@@ -166,6 +174,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         celery_concurrency=a.celery_concurrency,
         pgqueuer_workers=a.pgqueuer_workers,
         backlog=backlog,
+        profile=a.profile,
     )
     if (
         opts.instances < 1
@@ -209,6 +218,11 @@ def _check_installed(peers: Sequence[str]) -> None:
 
 async def main_async(opts: Options) -> int:
     _check_installed(opts.peers)
+    if opts.profile and Sampler.available() is None:
+        raise BenchFailure(
+            "--profile: py-spy is not installed (the bench extra): `make profile` installs"
+            " it, or `.venv/bin/pip install -e '.[bench]'`"
+        )
     settings = Settings.from_env()
     async with exclusive(settings):
         return await _runs(opts, settings)
@@ -287,6 +301,7 @@ async def _custody(
         light=0 if backlog else opts.light,
         backlog=backlog,
         logs=logs,
+        profile=opts.profile,
     )
     b = report.baseline
     print(
