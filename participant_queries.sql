@@ -6,20 +6,30 @@
 
 -- Acceptor: a batch of deliveries (commands, cancels, queries) in one transaction ---------
 
--- name: p_tombstones_for
-SELECT request_id::text FROM tombstones WHERE request_id = ANY(%(ids)s);
-
 -- name: p_inbox_accept
-INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
-                   status, effect, owner_revision, traceparent)
-SELECT r.request_id, r.tenant, r.operation_id, r.attempt, r.operation, r.digest, r.command,
-       r.status, r.effect, r.owner_revision, r.traceparent
-  FROM jsonb_to_recordset(%(rows)s)
-       AS r(request_id uuid, tenant text, operation_id uuid, attempt int, operation text,
-            digest text, command jsonb, status text, effect text, owner_revision int,
-            traceparent text)
-ON CONFLICT (request_id) DO NOTHING
-RETURNING request_id::text;
+-- A batch's new submits offered to the inbox, and the tombstones of all its submit ids
+-- (%(ids)s), in one statement (one round trip): a tombstoned identity is answered as
+-- such and never inserted; an identity this statement inserted is answered as
+-- inserted; one it did not is held already (ON CONFLICT waits for a concurrent inserter
+-- to commit). The tombstones are read with the insert's snapshot, never an older one.
+WITH t AS (
+  SELECT request_id FROM tombstones WHERE request_id = ANY(%(ids)s)
+), ins AS (
+  INSERT INTO inbox (request_id, tenant, operation_id, attempt, operation, digest, command,
+                     status, effect, owner_revision, traceparent)
+  SELECT r.request_id, r.tenant, r.operation_id, r.attempt, r.operation, r.digest, r.command,
+         r.status, r.effect, r.owner_revision, r.traceparent
+    FROM jsonb_to_recordset(%(rows)s)
+         AS r(request_id uuid, tenant text, operation_id uuid, attempt int, operation text,
+              digest text, command jsonb, status text, effect text, owner_revision int,
+              traceparent text)
+   WHERE NOT EXISTS (SELECT 1 FROM t WHERE t.request_id = r.request_id)
+  ON CONFLICT (request_id) DO NOTHING
+  RETURNING request_id
+)
+SELECT request_id::text, true AS inserted FROM ins
+UNION ALL
+SELECT request_id::text, false FROM t;
 
 -- name: p_inbox_get
 SELECT request_id::text, digest, status, owner_revision FROM inbox

@@ -308,19 +308,16 @@ class Participant:
             }
             checked = [(d, c, None if c is None else self._refusal(c)) for d, c in commands]
             ids = list({c.request_id for _, c, _ in checked if isinstance(c, SubmitCommand)})
-            tombstoned = (
-                {r["request_id"] for r in await tx.rows("p_tombstones_for", {"ids": ids})}
-                if ids
-                else set()
-            )
             # The first admissible submit of each identity is offered to the inbox; the
             # outcome comes from the insert itself, never from a read before it (a
-            # replica may be inserting the same identity right now).
-            offered: dict[str, SubmitCommand] = {}
+            # replica may be inserting the same identity right now). The tombstones of
+            # every submit id come back with it, and a tombstoned identity is not offered.
+            admissible: dict[str, SubmitCommand] = {}
             for _, c, why in checked:
-                if isinstance(c, SubmitCommand) and why is None and c.request_id not in tombstoned:
-                    offered.setdefault(c.request_id, c)
-            inserted = await self._insert(tx, list(offered.values()), trace)
+                if isinstance(c, SubmitCommand) and why is None:
+                    admissible.setdefault(c.request_id, c)
+            inserted, tombstoned = await self._insert(tx, ids, list(admissible.values()), trace)
+            offered = {i: c for i, c in admissible.items() if i not in tombstoned}
             # Rows the insert did not return were there already, or were just taken by a
             # concurrent transaction: the insert waited for it to commit (READ COMMITTED),
             # so this new statement sees them. They are duplicates or conflicts.
@@ -506,14 +503,21 @@ class Participant:
         return done, {identity.receipt_id(r.request_id, 1) for r in done}
 
     async def _insert(
-        self, tx: db.Tx, offered: Sequence[SubmitCommand], trace: Mapping[str, str | None]
-    ) -> set[str]:
-        """Offer new identities to the inbox; returns the ones this transaction took."""
-        if not offered:
-            return set()
+        self,
+        tx: db.Tx,
+        ids: Sequence[str],
+        offered: Sequence[SubmitCommand],
+        trace: Mapping[str, str | None],
+    ) -> tuple[set[str], set[str]]:
+        """Offer new identities to the inbox, and read the tombstones of ``ids`` (every
+        submit id of the batch) in the same statement; returns the identities this
+        transaction took and the tombstoned ones (never taken)."""
+        if not ids:
+            return set(), set()
         rows = await tx.rows(
             "p_inbox_accept",
             {
+                "ids": ids,
                 "rows": db.jsonb(
                     [
                         {
@@ -531,10 +535,13 @@ class Participant:
                         }
                         for c in offered
                     ]
-                )
+                ),
             },
         )
-        return {r["request_id"] for r in rows}
+        return (
+            {r["request_id"] for r in rows if r["inserted"]},
+            {r["request_id"] for r in rows if not r["inserted"]},
+        )
 
     async def _cancel(
         self,
