@@ -115,15 +115,26 @@ SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.head
 -- The instance row is locked with the intent: cancel takes the same lock, so the status
 -- read here is the one the new work is committed under (a cancel that commits first is
 -- seen; one that comes later sees the new operation and cancels it).
-SELECT s.id, s.instance_id, s.from_operation_id, s.outcome, s.next_node,
-       i.tenant, i.status::text AS instance_status, i.suspended_reason, i.process,
-       i.process_version, i.input, i.traceparent, i.routes
-  FROM successor_intents s JOIN instances i ON i.id = s.instance_id
- WHERE s.status = 'pending' AND (s.not_before IS NULL OR s.not_before <= now())
-   AND (i.status <> 'suspended' OR i.suspended_reason = 'definition_missing')
- ORDER BY s.id
- LIMIT %(limit)s
-   FOR UPDATE OF s, i SKIP LOCKED;
+-- The claimed instances' ids are kept for the rest of the transaction in the
+-- transaction-local setting custody.claimed_instances, which instance_results and
+-- node_activations read: they leave with this statement, in the same round trip, and
+-- each still runs after it, under a snapshot taken after its locks.
+WITH c AS (
+  SELECT s.id, s.instance_id, s.from_operation_id, s.outcome, s.next_node,
+         i.tenant, i.status::text AS instance_status, i.suspended_reason, i.process,
+         i.process_version, i.input, i.traceparent, i.routes
+    FROM successor_intents s JOIN instances i ON i.id = s.instance_id
+   WHERE s.status = 'pending' AND (s.not_before IS NULL OR s.not_before <= now())
+     AND (i.status <> 'suspended' OR i.suspended_reason = 'definition_missing')
+   ORDER BY s.id
+   LIMIT %(limit)s
+     FOR UPDATE OF s, i SKIP LOCKED
+), kept AS (
+  SELECT set_config('custody.claimed_instances',
+                    coalesce(string_agg(DISTINCT instance_id::text, ','), ''), true)
+    FROM c
+)
+SELECT c.* FROM c CROSS JOIN kept ORDER BY c.id;
 
 -- name: successor_defer
 UPDATE successor_intents SET not_before = now() + make_interval(secs => %(delay)s)
@@ -139,13 +150,15 @@ UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = n
 
 -- name: instance_results
 -- planned per execution: a batch's rows of a growing table by their keys
+-- (the instances successor_claim locked, in this transaction)
 SELECT instance_id, node, result FROM operations
- WHERE instance_id = ANY(%(ids)s) AND status = 'succeeded'
+ WHERE instance_id = ANY(custody.claimed_instances()) AND status = 'succeeded'
  ORDER BY instance_id, node, activation;
 
 -- name: node_activations
+-- (the instances successor_claim locked, in this transaction)
 SELECT instance_id, node, max(activation) AS activation FROM node_states
- WHERE instance_id = ANY(%(ids)s)
+ WHERE instance_id = ANY(custody.claimed_instances())
  GROUP BY instance_id, node;
 
 -- name: successor_done

@@ -155,6 +155,15 @@ RETURNS int LANGUAGE sql STABLE AS $$
    WHERE operation_id = p_operation AND attempt = p_attempt AND kind = p_kind
 $$;
 
+-- The instances the committer's successor_claim (queries.sql) locked in this
+-- transaction: the reads that depend on the claim take their ids from here, so that they
+-- leave in the claim's round trip (empty before any claim, and after one that found none).
+CREATE OR REPLACE FUNCTION custody.claimed_instances() RETURNS uuid[]
+LANGUAGE sql STABLE AS $$
+  SELECT string_to_array(coalesce(current_setting('custody.claimed_instances', true), ''),
+                         ',')::uuid[]
+$$;
+
 CREATE OR REPLACE FUNCTION custody.changed_under_lock(p_what text) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -792,6 +801,7 @@ GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publis
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.claimed_instances() TO custody_committer;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

@@ -439,11 +439,9 @@ def _batch_rows(**row: Any) -> Any:
 # name -> (relation, the only index it may be read through, parameters): a batch's
 # statements that reach the rows of a growing table by their keys, planned per execution
 PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "instance_results": (
-        "operations",
-        "operations_instance",
-        {"ids": [uuid.uuid4()]},
-    ),
+    # the instances successor_claim locked in the transaction (custody.claimed_instances,
+    # empty here): the key (instance, node, activation) also gives the rows in order
+    "instance_results": ("operations", "operations_instance_id_node_activation_key", {}),
     "operations_dispatched": (
         "operations",
         "operations_pkey",

@@ -223,14 +223,16 @@ class Committer:
             otel.claimed("successors", ACTOR) as span,
             self.db.transaction(self.lease) as tx,
         ):
-            intents = await tx.rows("successor_claim", {"limit": self.settings.batch_size})
+            # the claim and the two reads of the instances it locked (their ids kept in
+            # the transaction: custody.claimed_instances) leave and are answered together,
+            # each read under a snapshot taken after the claim's locks
+            claimed = await tx.ask("successor_claim", {"limit": self.settings.batch_size})
+            finished = await tx.ask("instance_results")
+            activated = await tx.ask("node_activations")
+            intents = await claimed.rows()
             if not intents:
                 return 0
             await faults.point("successor_claimed")
-            ids = list({i["instance_id"] for i in intents})
-            # both sent at once, answered in one round trip
-            finished = await tx.ask("instance_results", {"ids": ids})
-            activated = await tx.ask("node_activations", {"ids": ids})
             results: dict[Any, dict[str, Any]] = {}
             for r in await finished.rows():
                 results.setdefault(r["instance_id"], {})[r["node"]] = r["result"]

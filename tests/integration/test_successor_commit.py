@@ -1,0 +1,86 @@
+"""The committer's successor transition, as a unit: how many round trips a batch costs.
+
+At light load each round trip a unit waits for is a wake-up of the worker and of its
+Postgres backend (the bench's light-load legs), so an instance's three operations pay
+for every one. The seed: "Workflow transition: node state, history event, operation +
+attempt, outbox row" commit together, each successor judged by its instance as locked
+with the intent; the reads that depend on the claimed intents still run after the
+locks were taken.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Env, wait_until
+from tests.harness import InProcessFleet, RoundTrips, order, publish_starts, role_database
+from workers.core import process
+from workers.engine import committer
+from workers.io import db
+
+ORDERS = 5
+
+
+async def _pending_successors(env: Env) -> int:
+    """Every reserve applied, its successor intent left for a committer."""
+    fleet = InProcessFleet(env)
+    starter = fleet.start("committer")
+    fleet.start("publisher")
+    fleet.start("inventory")
+    try:
+        await publish_starts(env.settings, [order(i) for i in range(ORDERS)])
+
+        async def created() -> bool:
+            n = await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'reserve'")
+            return bool(n == ORDERS)
+
+        await wait_until(created, 60, what="every reserve created")
+        await fleet.stop(starter)  # the successors wait for the committer under test
+        fleet.start("receipts")
+
+        async def intents() -> bool:
+            n = await env.scalar(
+                "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'"
+            )
+            return bool(n == ORDERS)
+
+        await wait_until(intents, 60, what="every reserve's successor intent")
+        fleet.check_alive()
+    finally:
+        await fleet.stop_all()
+    return ORDERS
+
+
+async def test_a_batch_of_successors_commits_in_two_round_trips(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Workflow transition": a batch of successor intents is claimed with its
+    instances, the instances' results and node activations read, and the new operations
+    with their attempts, outbox rows and history committed, in two round trips (the
+    claim and the reads that depend on it; the writes and the COMMIT), where the reads
+    cost one of their own. The new work is what it was: one charge per order, each its
+    first activation, built from the reserve's result."""
+    pending = await _pending_successors(env)
+    table, catalog = process.load_config(env.settings)
+    async with role_database(env.settings.database_url, "custody_committer") as database:
+        lease = db.Lease("committer", ttl_s=60)
+        await database.acquire(lease)
+        c = committer.Committer(env.settings, database, lease, table, catalog)
+        trips = RoundTrips(monkeypatch)
+        assert await c.commit_successors() == pending
+        assert trips.n == 2, f"{trips.n} round trips"
+
+    rows = await env.sql(
+        "SELECT o.activation, o.input->>'reservation' = r.id::text"
+        "  FROM custody.operations o JOIN custody.operations r"
+        "    ON r.instance_id = o.instance_id AND r.node = 'reserve'"
+        " WHERE o.node = 'charge'"
+    )
+    assert rows == [(1, True)] * ORDERS
+    assert (
+        await env.scalar("SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'")
+        == 0
+    )
+    assert (
+        await env.scalar("SELECT count(*) FROM custody.outbox WHERE kind = 'submit'") == 2 * ORDERS
+    )
