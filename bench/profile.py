@@ -210,6 +210,18 @@ class Sampler:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def combined(profiles: Sequence[ProcessProfile]) -> ProcessProfile:
+    """All the processes' samples as one profile (``all workers``)."""
+    every = ProcessProfile("all workers")
+    for p in profiles:
+        every.samples += p.samples
+        every.busy += p.busy
+        every.groups.update(p.groups)
+        every.custody.update(p.custody)
+        every.leaves.update(p.leaves)
+    return every
+
+
 def markdown(profiles: Sequence[ProcessProfile], top: int = TOP) -> list[str]:
     """Per process: its busy share by library, and the custody functions and innermost
     frames that hold the most of it."""
@@ -220,9 +232,11 @@ def markdown(profiles: Sequence[ProcessProfile], top: int = TOP) -> list[str]:
         "| process | samples | busy | " + " | ".join(names) + " |",
         "|" + "|".join("---" for _ in range(3 + len(names))) + "|",
     ]
-    for p in sorted(profiles, key=lambda p: -p.busy):
+    every = combined(profiles)
+    for p in [*sorted(profiles, key=lambda p: -p.busy), every]:
+        name = f"**{p.process}**" if p is every else p.process
         lines.append(
-            f"| {p.process} | {p.samples:,} | {100 * p.busy / max(p.samples, 1):.0f} % | "
+            f"| {name} | {p.samples:,} | {100 * p.busy / max(p.samples, 1):.0f} % | "
             + " | ".join(f"{100 * p.share(p.groups[g]):.0f} %" for g in names)
             + " |"
         )
@@ -230,7 +244,8 @@ def markdown(profiles: Sequence[ProcessProfile], top: int = TOP) -> list[str]:
         "",
         "*busy*: the samples not waiting in the event loop's `select`; each library column"
         " is its share of those, by the innermost Python frame (a C call's time shows in"
-        " the Python frame that made it).",
+        " the Python frame that made it). Every process is sampled at the same rate, so"
+        " the last row, all of them together, weighs each by its busy time.",
         "",
     ]
     for p in sorted(profiles, key=lambda p: -p.busy):

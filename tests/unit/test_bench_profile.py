@@ -49,7 +49,12 @@ def test_custody_functions_count_inclusively_once_per_sample_without_the_scaffol
     assert p.leaves.most_common(1) == [(leaf, 30)]
 
 
-def test_the_report_gives_each_process_its_shares() -> None:
-    text = "\n".join(profile.markdown([profile.summarize("receipts-1", RAW)]))
+def test_the_report_gives_each_process_its_shares_and_all_of_them_weighed_by_busy_time() -> None:
+    one = profile.summarize("receipts-1", RAW)
+    other = profile.summarize("committer-1", RAW[-2:])  # 5 busy samples, all custody's
+    text = "\n".join(profile.markdown([one, other]))
     assert "| receipts-1 | 100 | 50 % | 10 % | 60 % | 0 % | 30 % |" in text
+    assert "| committer-1 | 5 | 100 % | 100 % | 0 % |" in text
+    # 55 busy samples: custody 10 of them, psycopg 30
+    assert "| **all workers** | 105 | 52 % | 18 % | 55 % | 0 % | 27 % |" in text
     assert "- 90 % `write (engine/receipts.py)`" in text
