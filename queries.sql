@@ -77,38 +77,46 @@ RETURNING id::text;
 SELECT id::text, tenant, start_request_id::text, process, input, status::text
   FROM instances WHERE id = ANY(%(ids)s);
 
--- name: node_insert
-INSERT INTO node_states (instance_id, node, activation, operation_id, status)
-SELECT r.instance_id, r.node, r.activation, r.operation_id, 'active'
-  FROM jsonb_to_recordset(%(rows)s)
-       AS r(instance_id uuid, node text, activation integer, operation_id uuid);
-
--- name: operation_insert
-INSERT INTO operations (id, tenant, instance_id, node, activation, operation, route, owner,
-                        principal, binding, input, lineage, attempt, digest, status, effect,
-                        deadline_seconds)
-SELECT r.id, r.tenant, r.instance_id, r.node, r.activation, r.operation, r.route, r.owner,
-       r.principal, r.binding, r.input, r.lineage, r.attempt, r.digest, 'pending', 'unknown',
-       r.deadline_seconds
-  FROM jsonb_to_recordset(%(rows)s)
-       AS r(id uuid, tenant text, instance_id uuid, node text, activation integer,
-            operation text, route text, owner text, principal text, binding text,
-            input jsonb, lineage jsonb, attempt integer, digest text, deadline_seconds integer);
-
--- name: attempt_insert
-INSERT INTO attempts (request_id, operation_id, attempt, kind, digest)
-SELECT r.request_id, r.operation_id, r.attempt, r.kind, r.digest
-  FROM jsonb_to_recordset(%(rows)s)
-       AS r(request_id uuid, operation_id uuid, attempt integer, kind text, digest text);
-
--- name: outbox_insert
-INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
-SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers::jsonb,
-       r.operation_id
-  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
-                  AS (id uuid, kind text, exchange text, routing_key text, body text,
-                      headers text, operation_id uuid))
-       WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id, n)
+-- name: activation_insert
+-- A batch's activations, in one statement: their nodes, operations, attempts and outbox
+-- rows (in the batch's order), and the unit's history (in its order). The foreign keys
+-- between them are checked at the end of the statement, with every row in.
+WITH n AS (
+  INSERT INTO node_states (instance_id, node, activation, operation_id, status)
+  SELECT r.instance_id, r.node, r.activation, r.operation_id, 'active'
+    FROM jsonb_to_recordset(%(nodes)s)
+         AS r(instance_id uuid, node text, activation integer, operation_id uuid)
+), o AS (
+  INSERT INTO operations (id, tenant, instance_id, node, activation, operation, route, owner,
+                          principal, binding, input, lineage, attempt, digest, status, effect,
+                          deadline_seconds)
+  SELECT r.id, r.tenant, r.instance_id, r.node, r.activation, r.operation, r.route, r.owner,
+         r.principal, r.binding, r.input, r.lineage, r.attempt, r.digest, 'pending', 'unknown',
+         r.deadline_seconds
+    FROM jsonb_to_recordset(%(operations)s)
+         AS r(id uuid, tenant text, instance_id uuid, node text, activation integer,
+              operation text, route text, owner text, principal text, binding text,
+              input jsonb, lineage jsonb, attempt integer, digest text, deadline_seconds integer)
+), a AS (
+  INSERT INTO attempts (request_id, operation_id, attempt, kind, digest)
+  SELECT r.request_id, r.operation_id, r.attempt, r.kind, r.digest
+    FROM jsonb_to_recordset(%(attempts)s)
+         AS r(request_id uuid, operation_id uuid, attempt integer, kind text, digest text)
+), x AS (
+  INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
+  SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers::jsonb,
+         r.operation_id
+    FROM ROWS FROM (jsonb_to_recordset(%(outbox)s)
+                    AS (id uuid, kind text, exchange text, routing_key text, body text,
+                        headers text, operation_id uuid))
+         WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id, n)
+   ORDER BY r.n
+)
+INSERT INTO history (instance_id, operation_id, event, detail, actor)
+SELECT r.instance_id, r.operation_id, r.event, coalesce(r.detail, '{}'), r.actor
+  FROM ROWS FROM (jsonb_to_recordset(%(history)s)
+                  AS (instance_id uuid, operation_id uuid, event text, detail jsonb, actor text))
+       WITH ORDINALITY AS r(instance_id, operation_id, event, detail, actor, n)
  ORDER BY r.n;
 
 -- name: successor_claim

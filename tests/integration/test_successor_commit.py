@@ -10,6 +10,9 @@ locks were taken.
 
 from __future__ import annotations
 
+from typing import Any
+
+import psycopg
 import pytest
 
 from tests.conftest import Env, wait_until
@@ -51,15 +54,33 @@ async def _pending_successors(env: Env) -> int:
     return ORDERS
 
 
-async def test_a_batch_of_successors_commits_in_two_round_trips(
+class Statements:
+    """Counts the statements every connection sends from now on (``n``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        execute = psycopg.AsyncConnection.execute
+
+        async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
+            self.n += 1
+            return await execute(conn, *a, **k)
+
+        monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)
+
+
+async def test_a_batch_of_successors_commits_in_two_round_trips_and_eight_statements(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ "Workflow transition": a batch of successor intents is claimed with its
     instances, the instances' results and node activations read, and the new operations
     with their attempts, outbox rows and history committed, in two round trips (the
     claim and the reads that depend on it; the writes and the COMMIT), where the reads
-    cost one of their own. The new work is what it was: one charge per order, each its
-    first activation, built from the reserve's result."""
+    cost one of their own; and in eight statements (BEGIN, the claim, its two reads, the
+    activations' rows in one, the intents done, the fence, COMMIT), where the nodes,
+    operations, attempts, outbox rows and history took one each. At light load each
+    statement is a worker's client path, on the new operation's way. The new work is
+    what it was: one charge per order, each its first activation, built from the
+    reserve's result."""
     pending = await _pending_successors(env)
     table, catalog = process.load_config(env.settings)
     async with role_database(env.settings.database_url, "custody_committer") as database:
@@ -67,8 +88,10 @@ async def test_a_batch_of_successors_commits_in_two_round_trips(
         await database.acquire(lease)
         c = committer.Committer(env.settings, database, lease, table, catalog)
         trips = RoundTrips(monkeypatch)
+        statements = Statements(monkeypatch)
         assert await c.commit_successors() == pending
         assert trips.n == 2, f"{trips.n} round trips"
+        assert statements.n == 8, f"{statements.n} statements"
 
     rows = await env.sql(
         "SELECT o.activation, o.input->>'reservation' = r.id::text"
@@ -77,6 +100,21 @@ async def test_a_batch_of_successors_commits_in_two_round_trips(
         " WHERE o.node = 'charge'"
     )
     assert rows == [(1, True)] * ORDERS
+    # each charge with its node, its attempt, its submit and its history, once
+    for what, query in (
+        ("nodes", "SELECT count(*) FROM custody.node_states WHERE node = 'charge'"),
+        (
+            "attempts",
+            "SELECT count(*) FROM custody.attempts a JOIN custody.operations o"
+            " ON o.id = a.operation_id WHERE o.node = 'charge'",
+        ),
+        (
+            "history",
+            "SELECT count(*) FROM custody.history"
+            " WHERE event = 'node.activated' AND detail->>'node' = 'charge'",
+        ),
+    ):
+        assert await env.scalar(query) == ORDERS, what
     assert (
         await env.scalar("SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'")
         == 0

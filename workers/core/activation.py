@@ -33,7 +33,7 @@ ACTIVATION_ERRORS: Final = (
 
 @dataclass(frozen=True)
 class OperationInsert:
-    """A new operation row (``operation_insert``), pinned to its route."""
+    """A new operation row (``activation_insert``), pinned to its route."""
 
     id: str
     tenant: str

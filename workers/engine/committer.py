@@ -30,12 +30,27 @@ DEFINITION_MISSING = Reason.DEFINITION_MISSING.value  # instances.suspended_reas
 IE, IS = lifecycle.InstanceEvent, lifecycle.InstanceStatus
 
 
-async def _write_plans(tx: db.Tx, plans: Sequence[activation.Plan]) -> None:
-    await tx.send_many("node_insert", [p.node for p in plans])
-    await tx.send_many("operation_insert", [p.operation.params(db.jsonb) for p in plans])
-    await tx.send_many("attempt_insert", [p.attempt for p in plans])
-    await tx.send_many("outbox_insert", [p.outbox for p in plans])
-    await tx.send_many("history_insert", [p.history.params(db.jsonb) for p in plans])
+async def _write_plans(
+    tx: db.Tx,
+    plans: Sequence[activation.Plan],
+    before: Sequence[records.History] = (),
+    after: Sequence[records.History] = (),
+) -> None:
+    """The plans' rows and the unit's history (``before``, the plans' own, ``after``, in
+    that order) in one statement, sent without waiting."""
+    history = [*before, *(p.history for p in plans), *after]
+    if not plans and not history:
+        return
+    await tx.send(
+        "activation_insert",
+        {
+            "nodes": db.jsonb([p.node for p in plans]),
+            "operations": db.jsonb([p.operation.params(db.jsonb) for p in plans]),
+            "attempts": db.jsonb([p.attempt for p in plans]),
+            "outbox": db.jsonb([p.outbox for p in plans]),
+            "history": db.jsonb([h.params(db.jsonb) for h in history]),
+        },
+    )
 
 
 PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
@@ -203,8 +218,7 @@ class Committer:
                 )
                 for i in instances
             ]
-            await tx.send_many("history_insert", [h.params(db.jsonb) for h in started])
-            await _write_plans(tx, plans)
+            await _write_plans(tx, plans, before=started)
             await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             if span.recording:
                 _traced(span, plans, [d.message_id for d, _ in valid])
@@ -317,8 +331,7 @@ class Committer:
                     r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})
                 }
             history.extend(h for i, _, h in finishes if i in ended)
-            await _write_plans(tx, plans)
-            await tx.send_many("history_insert", [h.params(db.jsonb) for h in history])
+            await _write_plans(tx, plans, after=history)
             await tx.send("successor_done", {"ids": done})
             if isinstance(span, otel.Claimed):
                 span.parent(intents[0]["traceparent"])
