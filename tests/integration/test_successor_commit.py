@@ -122,3 +122,34 @@ async def test_a_batch_of_successors_commits_in_two_round_trips_and_eight_statem
     assert (
         await env.scalar("SELECT count(*) FROM custody.outbox WHERE kind = 'submit'") == 2 * ORDERS
     )
+
+
+async def test_a_batch_with_no_new_work_wakes_no_publisher(
+    env: Env,
+) -> None:
+    """ "Workflow transition": a batch whose intents create no operation (their instances
+    are being cancelled: each successor suppressed, with its history) inserts no outbox
+    row, so the outbox's wake-up (a NOTIFY from its statement trigger, which fires even
+    for an INSERT of no row) is not sent: every publisher would wake and poll for
+    nothing."""
+    pending = await _pending_successors(env)
+    await env.sql("UPDATE custody.instances SET status = 'cancelling'")
+    table, catalog = process.load_config(env.settings)
+    woken: list[str] = []
+    async with (
+        await psycopg.AsyncConnection.connect(env.settings.database_url, autocommit=True) as ear,
+        role_database(env.settings.database_url, "custody_committer") as database,
+    ):
+        await ear.execute("LISTEN custody_outbox")
+        lease = db.Lease("committer", ttl_s=60)
+        await database.acquire(lease)
+        c = committer.Committer(env.settings, database, lease, table, catalog)
+        assert await c.commit_successors() == pending
+        async for note in ear.notifies(timeout=0.5):
+            woken.append(note.channel)
+    assert woken == []
+    suppressed = await env.scalar(
+        "SELECT count(*) FROM custody.history WHERE event = 'successor.suppressed'"
+    )
+    assert suppressed == pending
+    assert await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'charge'") == 0

@@ -39,7 +39,10 @@ async def _write_plans(
     """The plans' rows and the unit's history (``before``, the plans' own, ``after``, in
     that order) in one statement, sent without waiting."""
     history = [*before, *(p.history for p in plans), *after]
-    if not plans and not history:
+    if not plans:
+        # no outbox row: the outbox's statement trigger (a NOTIFY that wakes every
+        # publisher) fires for an INSERT even of no row
+        await tx.send_many("history_insert", [h.params(db.jsonb) for h in history])
         return
     await tx.send(
         "activation_insert",
