@@ -262,6 +262,21 @@ class RoundTrips:
         monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)
 
 
+class Statements:
+    """Counts the statements every connection sends from now on (``n``), in a pipeline
+    or not: what a unit costs its worker's client path, whether or not it waits."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.n = 0
+        execute = psycopg.AsyncConnection.execute
+
+        async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
+            self.n += 1
+            return await execute(conn, *a, **k)
+
+        monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)
+
+
 @contextlib.asynccontextmanager
 async def role_database(
     url: str, role: str, *, schema: str = "custody", name: str = "test"

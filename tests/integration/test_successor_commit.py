@@ -1,4 +1,5 @@
-"""The committer's successor transition, as a unit: how many round trips a batch costs.
+"""The committer's successor transition, as a unit: the round trips and statements a batch
+costs, and the wake-ups it sends.
 
 At light load each round trip a unit waits for is a wake-up of the worker and of its
 Postgres backend (the bench's light-load legs), so an instance's three operations pay
@@ -10,13 +11,22 @@ locks were taken.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator
+from typing import LiteralString
 
 import psycopg
 import pytest
 
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, RoundTrips, order, publish_starts, role_database
+from tests.harness import (
+    InProcessFleet,
+    RoundTrips,
+    Statements,
+    order,
+    publish_starts,
+    role_database,
+)
 from workers.core import process
 from workers.engine import committer
 from workers.io import db
@@ -24,48 +34,48 @@ from workers.io import db
 ORDERS = 5
 
 
-async def _pending_successors(env: Env) -> int:
-    """Every reserve applied, its successor intent left for a committer."""
+async def _until(env: Env, query: LiteralString, n: int, what: str) -> None:
+    async def reached() -> bool:
+        return bool(await env.scalar(query) == n)
+
+    await wait_until(reached, 60, what=what)
+
+
+async def _pending_successors(env: Env) -> None:
+    """Every reserve applied, its successor intent left for a committer (``ORDERS``)."""
     fleet = InProcessFleet(env)
     starter = fleet.start("committer")
     fleet.start("publisher")
     fleet.start("inventory")
     try:
         await publish_starts(env.settings, [order(i) for i in range(ORDERS)])
-
-        async def created() -> bool:
-            n = await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'reserve'")
-            return bool(n == ORDERS)
-
-        await wait_until(created, 60, what="every reserve created")
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.operations WHERE node = 'reserve'",
+            ORDERS,
+            "every reserve created",
+        )
         await fleet.stop(starter)  # the successors wait for the committer under test
         fleet.start("receipts")
-
-        async def intents() -> bool:
-            n = await env.scalar(
-                "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'"
-            )
-            return bool(n == ORDERS)
-
-        await wait_until(intents, 60, what="every reserve's successor intent")
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+            ORDERS,
+            "every reserve's successor intent",
+        )
         fleet.check_alive()
     finally:
         await fleet.stop_all()
-    return ORDERS
 
 
-class Statements:
-    """Counts the statements every connection sends from now on (``n``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
-        execute = psycopg.AsyncConnection.execute
-
-        async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
-            self.n += 1
-            return await execute(conn, *a, **k)
-
-        monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)
+@contextlib.asynccontextmanager
+async def _committer(env: Env) -> AsyncIterator[committer.Committer]:
+    """A committer under its own least-privilege role, holding its lease."""
+    table, catalog = process.load_config(env.settings)
+    async with role_database(env.settings.database_url, "custody_committer") as database:
+        lease = db.Lease("committer", ttl_s=60)
+        await database.acquire(lease)
+        yield committer.Committer(env.settings, database, lease, table, catalog)
 
 
 async def test_a_batch_of_successors_commits_in_two_round_trips_and_eight_statements(
@@ -81,15 +91,11 @@ async def test_a_batch_of_successors_commits_in_two_round_trips_and_eight_statem
     statement is a worker's client path, on the new operation's way. The new work is
     what it was: one charge per order, each its first activation, built from the
     reserve's result."""
-    pending = await _pending_successors(env)
-    table, catalog = process.load_config(env.settings)
-    async with role_database(env.settings.database_url, "custody_committer") as database:
-        lease = db.Lease("committer", ttl_s=60)
-        await database.acquire(lease)
-        c = committer.Committer(env.settings, database, lease, table, catalog)
+    await _pending_successors(env)
+    async with _committer(env) as c:
         trips = RoundTrips(monkeypatch)
         statements = Statements(monkeypatch)
-        assert await c.commit_successors() == pending
+        assert await c.commit_successors() == ORDERS
         assert trips.n == 2, f"{trips.n} round trips"
         assert statements.n == 8, f"{statements.n} statements"
 
@@ -132,24 +138,20 @@ async def test_a_batch_with_no_new_work_wakes_no_publisher(
     row, so the outbox's wake-up (a NOTIFY from its statement trigger, which fires even
     for an INSERT of no row) is not sent: every publisher would wake and poll for
     nothing."""
-    pending = await _pending_successors(env)
+    await _pending_successors(env)
     await env.sql("UPDATE custody.instances SET status = 'cancelling'")
-    table, catalog = process.load_config(env.settings)
     woken: list[str] = []
     async with (
         await psycopg.AsyncConnection.connect(env.settings.database_url, autocommit=True) as ear,
-        role_database(env.settings.database_url, "custody_committer") as database,
+        _committer(env) as c,
     ):
         await ear.execute("LISTEN custody_outbox")
-        lease = db.Lease("committer", ttl_s=60)
-        await database.acquire(lease)
-        c = committer.Committer(env.settings, database, lease, table, catalog)
-        assert await c.commit_successors() == pending
+        assert await c.commit_successors() == ORDERS
         async for note in ear.notifies(timeout=0.5):
             woken.append(note.channel)
     assert woken == []
     suppressed = await env.scalar(
         "SELECT count(*) FROM custody.history WHERE event = 'successor.suppressed'"
     )
-    assert suppressed == pending
+    assert suppressed == ORDERS
     assert await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'charge'") == 0
