@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import aio_pika
+from aiormq.abc import DeliveredMessage
+
 from tests.conftest import Env
 from tests.harness import client, drain, publish_raw
 from workers.io import broker
@@ -62,6 +65,31 @@ async def test_a_delivery_settled_before_the_batch_ack_is_not_settled_twice(env:
         again = await asyncio.wait_for(inbox.get(), 10)
         assert again.body == bodies[1]
         await broker.ack_all([*got, again])
+        await asyncio.sleep(0.2)
+        assert amqp.connected
+    assert await drain(env.settings, QUEUE, timeout=1.0) == []
+
+
+async def test_a_delivery_is_read_from_the_frames_without_an_aio_pika_message(env: Env) -> None:
+    """Issue 14 (a delivery's client CPU): the consumer takes aiormq's delivered frames
+    as they are, with no aio-pika ``IncomingMessage`` built per delivery and no second
+    task to run its callback, and still hands over every property the workers rely on;
+    its settles (ack, requeue, reject) go to the frames' own channel."""
+    body = b'{"n": 1}'
+    await publish_raw(
+        env.settings, broker.EXCHANGE_COMMANDS, "inventory.v1", [body], message_id="m-frames"
+    )
+    async with client(env.settings, "acks") as amqp, amqp.consume([QUEUE], prefetch=10) as inbox:
+        first = await asyncio.wait_for(inbox.get(), 10)
+        assert isinstance(first._message, DeliveredMessage)
+        assert not isinstance(first._message, aio_pika.abc.AbstractIncomingMessage)
+        assert (first.body, first.message_id, first.redelivered) == (body, "m-frames", False)
+        assert (first.exchange, first.routing_key) == (broker.EXCHANGE_COMMANDS, "inventory.v1")
+        assert first.undecodable is None and first.headers == {}
+        await first.requeue()
+        again = await asyncio.wait_for(inbox.get(), 10)
+        assert (again.message_id, again.redelivered) == ("m-frames", True)
+        await again.ack()
         await asyncio.sleep(0.2)
         assert amqp.connected
     assert await drain(env.settings, QUEUE, timeout=1.0) == []
