@@ -177,6 +177,18 @@ class Tx:
         # readable after the transaction only if it committed
         self.committed = False
         self.ended = False
+        # the lease (holder, epoch) its commit is fenced by, if any (Database.transaction)
+        self.fenced_by: tuple[str, int | None] | None = None
+
+    async def fence(self) -> None:
+        """Check the lease now, as the commit will again: sent without waiting, so that
+        a statement sent after it is answered only if the lease was still current when
+        it ran (its error is raised by the next statement that waits). Nothing without
+        a lease."""
+        if self.fenced_by is None:
+            return
+        await self._conn.execute(_FENCE, self.fenced_by)
+        self._unanswered = True
 
     async def _answers(self) -> None:
         """Read the answers of everything sent (one round trip): a statement's row
@@ -340,6 +352,7 @@ class Answer:
 _T = TypeVar("_T")
 
 _BEGIN: Final = sql.SQL("BEGIN")
+_FENCE: Final = "SELECT custody.fence(%s, %s)"
 _COMMIT: Final = sql.SQL("COMMIT")
 _ROLLBACK: Final = sql.SQL("ROLLBACK")
 
@@ -546,12 +559,12 @@ class Database:
                     async with conn.pipeline() as pipeline:
                         await _control(conn, _BEGIN)
                         tx = Tx(conn, pipeline)
+                        if lease is not None:
+                            tx.fenced_by = (lease.holder, fence_epoch)
                         try:
                             yield tx
-                            if lease is not None:
-                                await conn.execute(
-                                    "SELECT custody.fence(%s, %s)", (lease.holder, fence_epoch)
-                                )
+                            if tx.fenced_by is not None:
+                                await conn.execute(_FENCE, tx.fenced_by)
                         except BaseException:
                             await _past_error(pipeline)
                             await _control(conn, _ROLLBACK)  # answered as it closes

@@ -18,10 +18,12 @@ expires, and a stopping one gives the claims back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from workers import errors
@@ -31,6 +33,15 @@ from workers.io import broker, db
 from workers.runtime import faults, logs, metrics, otel, supervisor
 
 ACTOR = "publisher"  # the actor of the history rows its confirm marks write
+
+
+@dataclass
+class _Sending:
+    """A batch's publishes under way: their outcomes, spans and start."""
+
+    outcomes: asyncio.Future[list[broker.Outcome]]
+    spans: Any
+    started: float
 
 
 class OutboxPublisher:
@@ -91,11 +102,20 @@ class OutboxPublisher:
                 error=str(exc)[:300],
             )
 
-    async def claim(self) -> list[dict[str, Any]]:
-        """Claim a batch in a short transaction. The claimed rows are read once it has
-        committed: they come back with the commit's answer, in one round trip. A claim
-        that did not commit (fenced, failed) raises, and none of its rows is read."""
+    async def claim(
+        self, then: Callable[[list[dict[str, Any]]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Claim a batch in a short transaction; the rows it claimed are returned once
+        it has committed. A claim that did not commit (fenced, failed) raises.
+
+        The lease is checked before the claim runs (and again by the commit), so a
+        publisher whose lease was taken back claims and reads nothing. Without ``then``
+        the rows are read with the commit's answer: one round trip. With it, they are
+        read first, with the fence's answer, and given to ``then`` before the COMMIT
+        leaves: the run loop starts their publishes there, so that they travel while
+        the commit waits for its flush (:meth:`_claim_and_send`)."""
         async with self.db.transaction(self.lease) as tx:
+            await tx.fence()
             claimed = await tx.ask(
                 "outbox_claim" if self.engine else "p_outbox_claim",
                 {
@@ -105,7 +125,52 @@ class OutboxPublisher:
                     "held": self.hold_submits,
                 },
             )
-        return await claimed.rows()
+            early: list[dict[str, Any]] | None = None
+            if then is not None:
+                early = await claimed.rows()
+                then(early)
+        return early if early is not None else await claimed.rows()
+
+    async def _claim_and_send(self) -> tuple[list[dict[str, Any]], _Sending | None]:
+        """Claim a batch and publish it while the claim commits.
+
+        The mark still waits for both the confirms and the claim's commit, and marks
+        only rows that this publisher's committed claim holds. A claim that does not
+        commit (the database failed, or the commit's fence found the lease taken back
+        since the first check) raises once its publishes settled: its rows stay
+        pending and unclaimed, and are sent again under the same message ids, which
+        every consumer deduplicates, as after a publisher that died between a publish
+        and its mark."""
+        sending: _Sending | None = None
+
+        def start(rows: list[dict[str, Any]]) -> None:
+            nonlocal sending
+            if rows:
+                sending = self._send(rows)
+
+        try:
+            rows = await self.claim(then=start)
+        except BaseException:
+            if sending is not None:
+                # under way: let them settle (bounded by the confirm timeout), so that
+                # none is left running unowned; the unit is then redone
+                with contextlib.suppress(BaseException):
+                    await sending.outcomes
+            raise
+        return rows, sending
+
+    def _send(self, rows: Sequence[dict[str, Any]]) -> _Sending:
+        outgoing: Sequence[broker.Outgoing] = [
+            broker.Outgoing(
+                str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]), r["headers"] or {}
+            )
+            for r in rows
+        ]
+        # a producer span per row, if tracing is on: the wire carries its context
+        outgoing, spans = otel.publishing(outgoing, self.owner)
+        return _Sending(
+            asyncio.ensure_future(self.publisher.publish_many(outgoing)), spans, time.monotonic()
+        )
 
     async def run_once(self, *, claim: bool = True) -> int:
         """One claim → publish → mark cycle; returns how many rows it claimed. Rows
@@ -120,32 +185,26 @@ class OutboxPublisher:
         # unit redone after a failure sends them again, under the same message ids
         rows = self.handed[: self.batch_size]
         handed = bool(rows)
+        sending: _Sending | None = None
         if not rows and claim:
-            rows = await self.claim()
+            rows, sending = await self._claim_and_send()
         if not rows:
             return 0
-        outgoing: Sequence[broker.Outgoing] = [
-            broker.Outgoing(
-                str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]), r["headers"] or {}
-            )
-            for r in rows
-        ]
-        # a producer span per row, if tracing is on: the wire carries its context
-        outgoing, spans = otel.publishing(outgoing, self.owner)
-        started = time.monotonic()
-        sending = asyncio.ensure_future(self.publisher.publish_many(outgoing))
+        if sending is None:
+            sending = self._send(rows)
+        spans = sending.spans
         if faults.enabled("after_publish_before_confirm"):
             await asyncio.sleep(0.05)
             faults.crash_point("after_publish_before_confirm")
         try:
-            outcomes = await sending
+            outcomes = await sending.outcomes
         except BaseException as exc:
             if spans is not None:
                 spans.failed(exc)
             raise
         if faults.broken("mark_before_confirm"):  # chaos self-test only
             outcomes = [broker.Outcome(o.message_id, True) for o in outcomes]
-        metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - started)
+        metrics.CONFIRM_LATENCY.labels(self.owner).observe(time.monotonic() - sending.started)
         if spans is not None:
             spans.settled(outcomes)
         faults.crash_point("after_confirm_before_mark")
