@@ -1,12 +1,14 @@
 """The outbox publisher: owner of the *broker confirmation* boundary.
 
 Claims pending rows in batches (``FOR UPDATE SKIP LOCKED`` plus a claim expiry, in a
-short transaction whose rows are read with its commit's answer), publishes them with a
-bounded window of unconfirmed messages, and marks a row published — in a second short
-transaction — only after a positive, non-returned confirm. A nack, a return or a
-timeout leaves the row pending, to be sent again with backoff under the same message
-id. No transaction is held open while publishing. The same code serves the engine's
-outbox and a participant's.
+short transaction fenced before the claim runs and again at its commit), publishes them
+with a bounded window of unconfirmed messages while that COMMIT waits for its flush, and
+marks a row published — in a second short transaction, once the claim committed — only
+after a positive, non-returned confirm. A nack, a return or a timeout leaves the row
+pending, to be sent again with backoff under the same message id; so does a claim that
+does not commit (its publishes left: the same ids again, deduplicated by every
+consumer). No transaction waits on the broker. The same code serves the engine's outbox
+and a participant's.
 
 A participant's receipts skip the claim: its commit queues them already claimed by its
 own publisher (``p_outbox_insert``) and hands them over after the commit
