@@ -239,22 +239,37 @@ SELECT count(*) FILTER (WHERE NOT held) AS pending,
          AS oldest_age_s
   FROM outbox_pending_rows;
 
--- name: operations_dispatched
+-- name: outbox_mark_dispatched
 -- planned per execution: a batch's rows of a growing table by their keys
--- The confirm mark never moves an operation backward; the deadline clock starts here.
--- Only a submit's confirm dispatches (the caller passes the confirmed submits' request
--- ids, i.e. outbox ids, and their operation ids), and only the submit of the
--- operation's current attempt: a query's or a cancel's confirm is not progress, and a
--- late confirm of attempt n's submit does not dispatch attempt n+1, whose own submit
--- may not have been sent. By primary key on operations (the request ids only filter).
-UPDATE operations o
-   SET status = 'dispatched', updated_at = now(),
-       deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
- WHERE o.id = ANY(%(ids)s) AND o.status = 'pending'
-   AND EXISTS (SELECT 1 FROM attempts a
-                WHERE a.request_id = ANY(%(requests)s::uuid[]) AND a.kind = 'submit'
-                  AND a.operation_id = o.id AND a.attempt = o.attempt)
-RETURNING o.id, o.instance_id;
+-- The engine's confirm mark, in one statement: the confirmed rows that this publisher's
+-- claim holds are marked published, and each confirmed submit among them dispatches its
+-- operation, with one history row per operation it moved. The confirm mark never moves
+-- an operation backward; the deadline clock starts here. Only a submit's confirm
+-- dispatches (a query's or a cancel's confirm is not progress), and only the submit of
+-- the operation's current attempt: a late confirm of attempt n's submit does not
+-- dispatch attempt n+1, whose own submit may not have been sent. Operations by primary
+-- key. Returns how many rows it marked.
+WITH marked AS (
+  UPDATE outbox
+     SET status = 'published', published_at = now(), claimed_by = NULL,
+         claim_expires_at = NULL, last_error = NULL
+   WHERE id = ANY(%(ids)s) AND claimed_by = %(holder)s AND status = 'pending'
+  RETURNING id, kind, operation_id
+), moved AS (
+  UPDATE operations o
+     SET status = 'dispatched', updated_at = now(),
+         deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
+    FROM marked m
+   WHERE m.kind = 'submit' AND o.id = m.operation_id AND o.status = 'pending'
+     AND EXISTS (SELECT 1 FROM attempts a
+                  WHERE a.request_id = m.id AND a.kind = 'submit'
+                    AND a.operation_id = o.id AND a.attempt = o.attempt)
+  RETURNING o.id, o.instance_id
+), logged AS (
+  INSERT INTO history (instance_id, operation_id, event, detail, actor)
+  SELECT instance_id, id, 'operation.dispatched', '{}', %(actor)s FROM moved ORDER BY id
+)
+SELECT count(*)::int AS marked FROM marked;
 
 -- Receipt consumer: a batch of receipts and cancellations applied in one transaction ------
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Env
-from tests.harness import client, drain, role_database
+from tests.harness import RoundTrips, client, drain, role_database
 from workers import errors
 from workers.io import broker, db
 from workers.runtime.outbox import OutboxPublisher
@@ -158,3 +158,26 @@ async def test_a_publisher_whose_lease_was_taken_back_publishes_nothing(
             await paused.run_once()
         assert await _state(env, row_id) == ("pending", None, 0)
     assert await drain(env.settings, QUEUE, timeout=1.0) == []
+
+
+async def test_a_confirm_mark_commits_in_one_round_trip(
+    env: Env, engine: db.Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker confirmation boundary, marked in one flight: the confirmed rows, the
+    dispatch of the confirmed submits with their history (``outbox_mark_dispatched``),
+    the releases of the failed rows, the fence and the COMMIT leave together and are
+    answered in one round trip (they were three: the mark's rows, the dispatch's rows,
+    then the rest). A failed publish is released for a retry, not marked."""
+    sent, lost = await _row(env), await _row(env)
+    async with client(env.settings, "claim-and-send") as amqp:
+        pub = await _publisher(env, engine, amqp)
+        rows = await pub.claim()
+        assert {str(r["id"]) for r in rows} == {sent, lost}
+        trips = RoundTrips(monkeypatch)
+        await pub.mark(
+            rows, [broker.Outcome(sent, True), broker.Outcome(lost, False, "nacked: test")]
+        )
+        assert trips.n == 1
+    assert await _state(env, sent) == ("published", None, 1)
+    assert await _state(env, lost) == ("pending", None, 1)
+    assert await drain(env.settings, QUEUE, timeout=0.5) == []

@@ -442,10 +442,10 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
     # the instances successor_claim locked in the transaction (custody.claimed_instances,
     # empty here): the key (instance, node, activation) also gives the rows in order
     "instance_results": ("operations", "operations_instance_id_node_activation_key", {}),
-    "operations_dispatched": (
+    "outbox_mark_dispatched": (
         "operations",
         "operations_pkey",
-        {"ids": [uuid.uuid4()], "requests": [uuid.uuid4()]},
+        {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
     ),
     "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
     "revisions_seen": (
@@ -491,13 +491,13 @@ async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_
     growing: str,
 ) -> None:
     """The bench's burst on a new deployment found the receipts' ``operation_apply`` and
-    ``operations_lock``, the committer's ``instance_results`` and
-    the publisher's ``operations_dispatched`` reading their tables in full (or every
-    pending operation) once per batch, 10 to 15 ms each and growing: plans prepared in the
-    first seconds, when a full read of a nearly empty table was the cheapest, and kept
-    while the table grew, until the next ANALYZE. These statements are never prepared
-    (the worker's own transaction, past psycopg's prepare threshold, leaves no prepared
-    statement for them, while an ordinary one is prepared), and planned for each
+    ``operations_lock``, the committer's ``instance_results`` and the publisher's
+    ``operations_dispatched`` (now part of ``outbox_mark_dispatched``) reading their tables
+    in full (or every pending operation) once per batch, 10 to 15 ms each and growing: plans
+    prepared in the first seconds, when a full read of a nearly empty table was the
+    cheapest, and kept while the table grew, until the next ANALYZE. These statements are
+    never prepared (the worker's own transaction, past psycopg's prepare threshold, leaves
+    no prepared statement for them, while an ordinary one is prepared), and planned for each
     execution they reach the rows by their keys on a table that grew since it was last
     analysed."""
     with psycopg.connect(growing, autocommit=True) as conn:

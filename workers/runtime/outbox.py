@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers import errors
-from workers.core.records import History
 from workers.errors import backoff_seconds
 from workers.io import broker, db
 from workers.runtime import faults, logs, metrics, otel, supervisor
@@ -237,32 +236,17 @@ class OutboxPublisher:
         by_id = {str(r["id"]): r for r in rows}
         ok = [o.message_id for o in outcomes if o.ok]
         failed = [o for o in outcomes if not o.ok]
+        # one flight: the mark (for the engine, with the dispatch of the confirmed
+        # submits and their history: outbox_mark_dispatched), the releases of the
+        # failed rows, the fence and the COMMIT; how many it marked is read with the
+        # commit's answer
         async with self.db.transaction(self.lease, epoch=epoch) as tx:
-            marked = await tx.rows("outbox_mark_published", {"ids": ok, "holder": self.holder})
             if self.engine:
-                # a confirm is of one attempt's submit (the outbox id is its request id):
-                # it dispatches the operation only if that is its current attempt
-                submits = [
-                    by_id[str(r["id"])]
-                    for r in marked
-                    if by_id[str(r["id"])].get("kind") == "submit"
-                ]
-                moved = await tx.rows(
-                    "operations_dispatched",
-                    {
-                        "ids": [r["operation_id"] for r in submits],
-                        "requests": [str(r["id"]) for r in submits],
-                    },
+                answer = await tx.ask(
+                    "outbox_mark_dispatched", {"ids": ok, "holder": self.holder, "actor": ACTOR}
                 )
-                await tx.send_many(
-                    "history_insert",
-                    [
-                        History(
-                            m["instance_id"], "operation.dispatched", ACTOR, operation_id=m["id"]
-                        ).params(db.jsonb)
-                        for m in moved
-                    ],
-                )
+            else:
+                answer = await tx.ask("outbox_mark_published", {"ids": ok, "holder": self.holder})
             await tx.send_many(
                 "outbox_release",
                 [
@@ -275,7 +259,9 @@ class OutboxPublisher:
                     for o in failed
                 ],
             )
-        metrics.PUBLISHED.labels(self.owner).inc(len(marked))
+        found = await answer.rows()
+        marked = int(found[0]["marked"]) if self.engine else len(found)
+        metrics.PUBLISHED.labels(self.owner).inc(marked)
         for o in failed:
             kind = o.error.split(":", 1)[0]
             metrics.PUBLISH_FAILURES.labels(self.owner, kind).inc()
