@@ -426,6 +426,36 @@ def test_a_hot_path_statement_reaches_a_row_by_its_key_whatever_the_statistics(
         assert reads == {index}, f"{name} ({kind}) reads {relation} through {reads}: {plan}"
 
 
+@pytest.mark.parametrize("name", ["instance_results", "node_activations"])
+def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
+    name: str, databases: dict[str, tuple[str, str]], young: str
+) -> None:
+    """The committer's reads of the instances its successor claim locked take their ids
+    from the transaction (``custody.claimed_instances()``, up to a batch of ids as text).
+    Called in a filter, the function parsed every id again for each row a scan passed: in
+    some bursts the planner chose a full scan of ``node_states`` (a table not yet
+    analysed), the statement ran on the CPU for 0.3 to 0.7 of a backend on average and
+    the committer's backend spent 1.2 ms per operation instead of 0.15 (456 ms for 7,500
+    rows and 200 ids, measured alone). Read once, as an init plan, the ids cost the same
+    whatever the plan: no scan, join or filter of either statement calls the function."""
+    statement = sql.query(name)
+    plans = {
+        "young, generic": generic_plan(young, statement, {}),
+        "large, analysed": explain(*databases["engine"], statement, {}),
+    }
+    for kind, plan in plans.items():
+        per_row = [
+            n["Node Type"]
+            for n in nodes(plan)
+            if n.get("Parent Relationship") != "InitPlan"
+            and any(
+                "current_setting" in str(n.get(k, ""))
+                for k in ("Filter", "Index Cond", "Recheck Cond", "Join Filter")
+            )
+        ]
+        assert not per_row, f"{name} ({kind}) calls custody.claimed_instances() in {per_row}"
+
+
 def _placeholders(statement: str) -> str:
     """A statement with its parameters as ``$``, as psycopg's (``%(name)s``) and as the
     server keeps it (``$1``)."""
@@ -440,8 +470,13 @@ def _batch_rows(**row: Any) -> Any:
 # statements that reach the rows of a growing table by their keys, planned per execution
 PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
     # the instances successor_claim locked in the transaction (custody.claimed_instances,
-    # empty here): the key (instance, node, activation) also gives the rows in order
-    "instance_results": ("operations", "operations_instance_id_node_activation_key", {}),
+    # empty here): by an index on the instance (the key (instance, node, activation) also
+    # gives the rows in order; the plain one needs a sort of the batch's rows)
+    "instance_results": (
+        "operations",
+        "operations_instance_id_node_activation_key|operations_instance",
+        {},
+    ),
     "outbox_mark_dispatched": (
         "operations",
         "operations_pkey",
@@ -549,4 +584,7 @@ async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_
         # the relation's own indexes (named after it): a bitmap scan's index node names
         # the index only
         used = {n["Index Name"] for n in every if n.get("Index Name", "").startswith(relation)}
-        assert not full and used == {index}, f"{name} reads {relation} through {used}: {plan}"
+        allowed = set(index.split("|"))  # any one of these
+        assert not full and len(used) == 1 and used <= allowed, (
+            f"{name} reads {relation} through {used}: {plan}"
+        )
