@@ -27,7 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, cast
@@ -420,9 +420,6 @@ def _why(exc: BaseException) -> str:
 _TRANSPORT_STEP: Final = "_RobustConnection__connect_transport"
 if not callable(getattr(aio_pika.RobustConnection, _TRANSPORT_STEP, None)):
     raise ImportError(f"aio-pika {aio_pika.__version__}: RobustConnection has no {_TRANSPORT_STEP}")
-
-
-RawCallback = Callable[[DeliveredMessage], Any]
 
 
 class _LeanQueue(aio_pika.RobustQueue):
