@@ -75,7 +75,7 @@ async def _at_commit(env: Env, row_id: str, body: str) -> AsyncIterator[None]:
         await env.sql(f"DROP FUNCTION custody.{name}()")
 
 
-async def _publisher(env: Env, engine: db.Database, amqp: broker.Broker) -> OutboxPublisher:
+async def _publisher(engine: db.Database, amqp: broker.Broker) -> OutboxPublisher:
     lease = db.Lease("publisher", ttl_s=60)
     await engine.acquire(lease)
     return OutboxPublisher(
@@ -108,7 +108,7 @@ async def test_a_claimed_batch_is_published_while_its_claim_commits(
         client(env.settings, "claim-and-send") as amqp,
         amqp.consume([QUEUE], prefetch=10) as inbox,
     ):
-        pub = await _publisher(env, engine, amqp)
+        pub = await _publisher(engine, amqp)
         async with _at_commit(env, row_id, f"PERFORM pg_sleep({SLOW_COMMIT_S})"):
             began = time.monotonic()
             cycle = asyncio.ensure_future(pub.run_once())
@@ -132,7 +132,7 @@ async def test_a_claim_that_does_not_commit_leaves_its_row_to_be_sent_again(
     next cycle sends it again under the same message id and marks it."""
     row_id = await _row(env)
     async with client(env.settings, "claim-and-send") as amqp:
-        pub = await _publisher(env, engine, amqp)
+        pub = await _publisher(engine, amqp)
         async with _at_commit(env, row_id, "RAISE EXCEPTION 'the commit failed'"):
             with pytest.raises(errors.DatabaseError, match="the commit failed"):
                 await pub.run_once()
@@ -151,7 +151,7 @@ async def test_a_publisher_whose_lease_was_taken_back_publishes_nothing(
     the row waits, unclaimed, for the live one."""
     row_id = await _row(env)
     async with client(env.settings, "claim-and-send") as amqp:
-        paused = await _publisher(env, engine, amqp)
+        paused = await _publisher(engine, amqp)
         assert paused.lease is not None
         await engine.acquire(db.Lease("publisher", paused.lease.holder, 0, 60))
         with pytest.raises(errors.Fenced):
@@ -170,7 +170,7 @@ async def test_a_confirm_mark_commits_in_one_round_trip(
     then the rest). A failed publish is released for a retry, not marked."""
     sent, lost = await _row(env), await _row(env)
     async with client(env.settings, "claim-and-send") as amqp:
-        pub = await _publisher(env, engine, amqp)
+        pub = await _publisher(engine, amqp)
         rows = await pub.claim()
         assert {str(r["id"]) for r in rows} == {sent, lost}
         trips = RoundTrips(monkeypatch)

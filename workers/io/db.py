@@ -563,8 +563,7 @@ class Database:
                             tx.fenced_by = (lease.holder, fence_epoch)
                         try:
                             yield tx
-                            if tx.fenced_by is not None:
-                                await conn.execute(_FENCE, tx.fenced_by)
+                            await tx.fence()  # again, with the COMMIT
                         except BaseException:
                             await _past_error(pipeline)
                             await _control(conn, _ROLLBACK)  # answered as it closes

@@ -103,37 +103,32 @@ class OutboxPublisher:
                 error=str(exc)[:300],
             )
 
-    async def claim(
-        self, then: Callable[[list[dict[str, Any]]], None] | None = None
-    ) -> list[dict[str, Any]]:
-        """Claim a batch in a short transaction; the rows it claimed are returned once
-        it has committed. A claim that did not commit (fenced, failed) raises.
+    async def _ask_claim(self, tx: db.Tx) -> db.Answer:
+        """The claim of a batch, sent after a fence: a publisher whose lease was taken
+        back claims and reads nothing (the commit checks the lease again)."""
+        await tx.fence()
+        return await tx.ask(
+            "outbox_claim" if self.engine else "p_outbox_claim",
+            {
+                "holder": self.holder,
+                "ttl": self.claim_ttl_s,
+                "limit": self.batch_size,
+                "held": self.hold_submits,
+            },
+        )
 
-        The lease is checked before the claim runs (and again by the commit), so a
-        publisher whose lease was taken back claims and reads nothing. Without ``then``
-        the rows are read with the commit's answer: one round trip. With it, they are
-        read first, with the fence's answer, and given to ``then`` before the COMMIT
-        leaves: the run loop starts their publishes there, so that they travel while
-        the commit waits for its flush (:meth:`_claim_and_send`)."""
+    async def claim(self) -> list[dict[str, Any]]:
+        """Claim a batch without publishing it (tools, tests): the rows are read with
+        the commit's answer, in one round trip. A claim that did not commit (fenced,
+        failed) raises, and none of its rows is read."""
         async with self.db.transaction(self.lease) as tx:
-            await tx.fence()
-            claimed = await tx.ask(
-                "outbox_claim" if self.engine else "p_outbox_claim",
-                {
-                    "holder": self.holder,
-                    "ttl": self.claim_ttl_s,
-                    "limit": self.batch_size,
-                    "held": self.hold_submits,
-                },
-            )
-            early: list[dict[str, Any]] | None = None
-            if then is not None:
-                early = await claimed.rows()
-                then(early)
-        return early if early is not None else await claimed.rows()
+            claimed = await self._ask_claim(tx)
+        return await claimed.rows()
 
     async def _claim_and_send(self) -> tuple[list[dict[str, Any]], _Sending | None]:
-        """Claim a batch and publish it while the claim commits.
+        """Claim a batch and publish it while the claim commits: the rows are read with
+        the fence's answer, and their publishes leave while the COMMIT waits for its
+        flush.
 
         The mark still waits for both the confirms and the claim's commit, and marks
         only rows that this publisher's committed claim holds. A claim that does not
@@ -143,14 +138,11 @@ class OutboxPublisher:
         every consumer deduplicates, as after a publisher that died between a publish
         and its mark."""
         sending: _Sending | None = None
-
-        def start(rows: list[dict[str, Any]]) -> None:
-            nonlocal sending
-            if rows:
-                sending = self._send(rows)
-
         try:
-            rows = await self.claim(then=start)
+            async with self.db.transaction(self.lease) as tx:
+                rows = await (await self._ask_claim(tx)).rows()
+                if rows:
+                    sending = self._send(rows)
         except BaseException:
             if sending is not None:
                 # under way: let them settle (bounded by the confirm timeout), so that
