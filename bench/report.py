@@ -71,6 +71,7 @@ async def machine_facts(settings: Settings) -> Machine:
             "psycopg",
             "pydantic",
             "orjson",
+            "uvloop",
             "celery",
             "kombu",
             "amqp",
@@ -479,7 +480,8 @@ class Report:
             f"- Libraries: {m.libraries}",
             f"- Fleet settings: batch_size {s.batch_size}, prefetch {s.prefetch},"
             f" confirm_window {s.confirm_window}, linger_ms {s.linger_ms},"
-            f" poll_interval_s {os.environ.get('CUSTODY_POLL_INTERVAL_S', '0.5')}",
+            f" poll_interval_s {os.environ.get('CUSTODY_POLL_INTERVAL_S', '0.5')},"
+            f" event_loop {s.event_loop}",
             "- Broker, database, every worker and the bench share the same cores.",
             "",
         ]

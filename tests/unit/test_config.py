@@ -122,6 +122,13 @@ def test_an_unknown_log_format_is_refused() -> None:
         Settings.from_env({"CUSTODY_LOG_FORMAT": "xml"})
 
 
+def test_the_event_loop_is_uvloop_unless_asyncio_is_asked_for() -> None:
+    assert Settings.from_env({}).event_loop == "uvloop"
+    assert Settings.from_env({"CUSTODY_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    with pytest.raises(ConfigError, match="CUSTODY_EVENT_LOOP must be one of uvloop, asyncio"):
+        Settings.from_env({"CUSTODY_EVENT_LOOP": "trio"})
+
+
 def test_config_error_is_a_custody_error() -> None:
     assert issubclass(ConfigError, CustodyError)
 

@@ -22,6 +22,7 @@ import pydantic
 
 from contracts import identity, models
 from workers.core import process
+from workers.runtime import loops
 from workers.settings import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
@@ -208,7 +209,8 @@ def run(body: Body, kwargs: dict[str, Any], default_output: str = "text") -> int
     if kwargs.pop("as_json", False):
         output = "json"
     settings = Settings.from_env()
-    return asyncio.run(body(settings, Args(**kwargs, output=output, json=output != "text")))
+    with asyncio.Runner(loop_factory=loops.factory(settings.event_loop)) as runner:
+        return runner.run(body(settings, Args(**kwargs, output=output, json=output != "text")))
 
 
 def with_options(body: Body, **fixed: Any) -> Body:

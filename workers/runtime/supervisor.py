@@ -26,7 +26,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import startup
-from workers.runtime import logs, otel
+from workers.runtime import logs, loops, otel
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -62,7 +62,13 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
     server = await serve(metrics_port, health) if metrics_port else None
-    event("worker.started", worker=name, metrics_port=metrics_port, tracing=tracing)
+    event(
+        "worker.started",
+        worker=name,
+        metrics_port=metrics_port,
+        tracing=tracing,
+        event_loop=loops.name_of(loop),
+    )
     started = time.monotonic()
     # the worker's task (and its tasks) wait at start-up, and every line they log
     # carries the worker's name
