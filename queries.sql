@@ -152,12 +152,16 @@ UPDATE successor_intents SET not_before = now() + make_interval(secs => %(delay)
  WHERE id = %(id)s AND status = 'pending';
 
 -- name: instance_suspend_for
+-- An instance's status change compares its status as text (here and below): no index
+-- serves that, so the instance is reached by its key whatever the statistics say of
+-- the live statuses (instances_status would be read in full for a status they call
+-- rare: test_query_plans.py::test_an_instance_status_change_reaches_its_instance_…)
 UPDATE instances SET status = 'suspended', suspended_reason = %(reason)s, updated_at = now()
- WHERE id = %(id)s AND status = 'running';
+ WHERE id = %(id)s AND status::text = 'running';
 
 -- name: instance_resume_from
 UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = now()
- WHERE id = %(id)s AND status = 'suspended' AND suspended_reason = %(reason)s;
+ WHERE id = %(id)s AND status::text = 'suspended' AND suspended_reason = %(reason)s;
 
 -- name: instance_results
 -- planned per execution: a batch's rows of a growing table by their keys
@@ -177,10 +181,13 @@ UPDATE successor_intents SET status = 'done', done_at = now()
  WHERE id = ANY(%(ids)s) AND status = 'pending';
 
 -- name: instance_finish
+-- planned per execution: a batch's rows of a growing table by their keys
 -- A batch's ends in one statement, each only from running; returns the instances ended.
+-- The status as text: the instances by their key, never every running one through
+-- instances_status (see instance_suspend_for).
 UPDATE instances i SET status = r.status, finished_at = now(), updated_at = now()
   FROM jsonb_to_recordset(%(rows)s) AS r(id uuid, status custody.instance_status)
- WHERE i.id = r.id AND i.status = 'running'
+ WHERE i.id = r.id AND i.status::text = 'running'
 RETURNING i.id;
 
 -- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
@@ -352,24 +359,24 @@ ON CONFLICT (from_operation_id) DO NOTHING;
 
 -- name: instance_suspend
 UPDATE instances SET status = 'suspended', updated_at = now()
- WHERE id = %(id)s AND status = 'running';
+ WHERE id = %(id)s AND status::text = 'running';
 
 -- name: instance_unsuspend
 -- Progress resumes once no operation of the instance is left without an outcome.
 UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = now()
- WHERE id = %(id)s AND status = 'suspended'
+ WHERE id = %(id)s AND status::text = 'suspended'
    AND NOT EXISTS (SELECT 1 FROM operations
                     WHERE instance_id = %(id)s
                       AND status IN ('outcome_unknown', 'reconcile_pending'));
 
 -- name: instance_set_cancelling
 UPDATE instances SET status = 'cancelling', updated_at = now()
- WHERE id = %(id)s AND status IN ('running', 'suspended');
+ WHERE id = %(id)s AND status::text IN ('running', 'suspended');
 
 -- name: instance_settle_cancel
 -- A cancelling instance is cancelled once every operation has authoritative evidence.
 UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now()
- WHERE id = %(id)s AND status = 'cancelling'
+ WHERE id = %(id)s AND status::text = 'cancelling'
    AND NOT EXISTS (SELECT 1 FROM operations
                     WHERE instance_id = %(id)s
                       AND status NOT IN ('succeeded', 'failed', 'cancelled'));

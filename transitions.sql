@@ -364,8 +364,10 @@ DECLARE
   v_intent record;
   v_settled boolean;
 BEGIN
+  -- the status as text: the instance by its key, never through instances_status (as the
+  -- instance status changes of queries.sql)
   UPDATE custody.instances SET status = 'cancelling', updated_at = now()
-   WHERE id = p_instance AND status IN ('running', 'suspended');
+   WHERE id = p_instance AND status::text IN ('running', 'suspended');
   FOR r IN SELECT * FROM custody.operations
             WHERE instance_id = p_instance AND status NOT IN ('succeeded', 'failed', 'cancelled')
             ORDER BY id FOR UPDATE LOOP
@@ -417,7 +419,7 @@ BEGIN
   PERFORM custody.history_add(p_instance, NULL, 'instance.cancelling', p_actor,
                               jsonb_build_object('reason', p_reason));
   UPDATE custody.instances SET status = 'cancelled', finished_at = now(), updated_at = now()
-   WHERE id = p_instance AND status = 'cancelling'
+   WHERE id = p_instance AND status::text = 'cancelling'
      AND NOT EXISTS (SELECT 1 FROM custody.operations
                       WHERE instance_id = p_instance
                         AND status NOT IN ('succeeded', 'failed', 'cancelled'));
@@ -593,7 +595,7 @@ BEGIN
       UPDATE custody.operations SET status = v_status, updated_at = now()
        WHERE id = r.id AND status = r.status;
       UPDATE custody.instances SET status = 'suspended', updated_at = now()
-       WHERE id = r.instance_id AND status = 'running';
+       WHERE id = r.instance_id AND status::text = 'running';
       PERFORM custody.history_add(r.instance_id, r.id, 'operation.outcome_unknown', p_actor,
         jsonb_build_object('from', r.status::text, 'cause', 'restore'));
     END IF;

@@ -426,6 +426,48 @@ def test_a_hot_path_statement_reaches_a_row_by_its_key_whatever_the_statistics(
         assert reads == {index}, f"{name} ({kind}) reads {relation} through {reads}: {plan}"
 
 
+# An instance's status changes (suspend, resume, cancel, settle), by the instance's key.
+INSTANCE_CHANGES = [
+    "instance_suspend",
+    "instance_suspend_for",
+    "instance_resume_from",
+    "instance_unsuspend",
+    "instance_set_cancelling",
+    "instance_settle_cancel",
+]
+
+
+@pytest.mark.parametrize("name", INSTANCE_CHANGES)
+def test_an_instance_status_change_reaches_its_instance_by_its_key_whatever_the_statistics(
+    name: str, databases: dict[str, tuple[str, str]], young: str
+) -> None:
+    """An instance's status change names the instance and the status it must be in. With
+    the live statuses behind the partial index ``instances_status``, the planner read
+    the instance through that index whenever the statistics said the status was rare:
+    every suspended instance for each resume, every cancelling one for each settle (on
+    the analysed history here, where none is; and on young tables, each suspend read
+    every running instance). Statistics lag exactly when it matters: a participant's
+    outage suspends thousands of instances, a bulk cancel makes thousands cancelling,
+    far below the share of a large table that makes autovacuum analyse it again, and
+    each resume or settle would read them all, O(n) per instance while they recover.
+    The status is compared as text, which no index serves: the instance is reached by
+    its primary key, on young tables (a generic plan) and on a large analysed history
+    alike."""
+    params = {"id": uuid.uuid4(), "reason": "participant outage"}
+    statement = sql.query(name)
+    plans = {
+        "young, generic": generic_plan(young, statement, params),
+        "large, analysed": explain(*databases["engine"], statement, params),
+    }
+    for kind, plan in plans.items():
+        reads = {
+            n.get("Index Name", n["Node Type"])
+            for n in nodes(plan)
+            if n.get("Relation Name") == "instances" and n["Node Type"] != "ModifyTable"
+        }
+        assert reads == {"instances_pkey"}, f"{name} ({kind}) reads instances through {reads}"
+
+
 @pytest.mark.parametrize("name", ["instance_results", "node_activations"])
 def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
     name: str, databases: dict[str, tuple[str, str]], young: str
@@ -492,6 +534,13 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
         "operations",
         "operations_pkey",
         {"rows": _batch_rows(id=str(uuid.uuid4()), expected="pending", status="dispatched")},
+    ),
+    # the committer's ends of a batch's instances: prepared on young tables it read every
+    # running instance through instances_status, or all of them (a hash join)
+    "instance_finish": (
+        "instances",
+        "instances_pkey",
+        {"rows": _batch_rows(id=str(uuid.uuid4()), status="completed")},
     ),
 }
 
