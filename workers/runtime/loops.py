@@ -10,7 +10,6 @@ kept as the way back if a platform or a library ever disagrees with uvloop.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Callable
 
 from workers.errors import ConfigError
@@ -23,14 +22,13 @@ def factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     if name == "asyncio":
         return None
     try:
-        uvloop = importlib.import_module("uvloop")
+        import uvloop
     except ImportError as exc:
         raise ConfigError(
             f"{PREFIX}EVENT_LOOP={name} but uvloop cannot be imported ({exc}): install"
             f" custody's dependencies, or set {PREFIX}EVENT_LOOP=asyncio"
         ) from None
-    new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return new_loop
+    return uvloop.new_event_loop
 
 
 def name_of(loop: asyncio.AbstractEventLoop) -> str:
