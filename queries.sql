@@ -398,8 +398,10 @@ SELECT id, instance_id, status::text FROM operations
    FOR UPDATE SKIP LOCKED;
 
 -- name: operation_set_status
+-- The status as text: the operation by its key, never every operation of that status
+-- through operations_open (see instance_suspend_for)
 UPDATE operations SET status = %(status)s, updated_at = now()
- WHERE id = %(id)s AND status = %(expected)s;
+ WHERE id = %(id)s AND status::text = %(expected)s;
 
 -- name: retries_due
 SELECT id FROM operations

@@ -470,6 +470,22 @@ def test_an_instance_status_change_reaches_its_instance_by_its_key_whatever_the_
     _reads_only_by("instances_pkey", "instances", name, params, databases, young)
 
 
+@pytest.mark.parametrize("expected", ["accepted", "cancelling", "dispatched"])
+def test_the_reconcilers_status_change_reaches_its_operation_by_its_key_whatever_the_statistics(
+    expected: str, databases: dict[str, tuple[str, str]], young: str
+) -> None:
+    """The same for an operation: the reconciler's sweeps move each overdue operation
+    from the status it was locked in (``operation_set_status``). For a status the
+    statistics call rare (none is ``accepted`` or ``cancelling`` in the analysed history
+    here) the planner read every operation of that status through the partial index
+    ``operations_open``, once per operation swept: after an outage that left thousands
+    accepted and overdue, O(n) per operation of the sweep. By its key, always."""
+    params = {"id": uuid.uuid4(), "status": "reconcile_pending", "expected": expected}
+    _reads_only_by(
+        "operations_pkey", "operations", "operation_set_status", params, databases, young
+    )
+
+
 @pytest.mark.parametrize("name", ["instance_results", "node_activations"])
 def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
     name: str, databases: dict[str, tuple[str, str]], young: str
