@@ -22,6 +22,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.acceptance.support import Crew
+from tests.conftest import Env
+from tests.harness import publish_raw
 from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Proc
 from workers.io import broker
 from workers.settings import ROOT
@@ -301,3 +303,24 @@ def schema_errors(procs: Iterable[Proc], tmp_path: Path) -> str:
         check=False,
     )
     return "" if done.returncode == 0 else (done.stdout + done.stderr)[-4000:]
+
+
+def events(proc: Proc, name: str) -> list[dict[str, object]]:
+    return [o for o in log_objects(proc) if o.get("event") == name]
+
+
+async def consumes(env: Env, crew: Crew, worker: str) -> None:
+    """The worker's consumer really runs: a malformed message it must isolate is
+    isolated (a receipt the receipts worker quarantines, a command a participant
+    refuses)."""
+    if worker == "receipts":
+        await publish_raw(env.settings, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, [b"[1"])
+        query, participant = "SELECT count(*) FROM custody.quarantine", False
+    else:
+        await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, f"{worker}.v1", [b"[1"])
+        query, participant = f"SELECT count(*) FROM participant_{worker}.refused", True
+
+    async def handled() -> bool:
+        return int(await env.scalar(query, participant=participant)) >= 1
+
+    await crew.wait(handled, timeout=30, what=f"{worker} to consume a malformed message")

@@ -15,9 +15,8 @@ import asyncio
 
 import pytest
 
-from tests.acceptance.observability import sigterm, start, tail, wait_ready
+from tests.acceptance.observability import consumes, events, sigterm, start, tail, wait_ready
 from tests.acceptance.support import Crew
-from tests.acceptance.test_startup import consumes, events
 from tests.conftest import Env
 
 pytestmark = pytest.mark.acceptance

@@ -22,8 +22,9 @@ import time
 import pytest
 
 from tests.acceptance.observability import (
+    consumes,
+    events,
     http_get,
-    log_objects,
     poll,
     sigterm,
     start,
@@ -33,33 +34,11 @@ from tests.acceptance.observability import (
 )
 from tests.acceptance.support import Crew
 from tests.conftest import Env
-from tests.harness import publish_raw
 from tests.proxy import Proxy, amqp_port, pg_port, pg_proxied_url
 from workers.harness.fleet import DEV_PASSWORD, PARTICIPANTS, Proc
 from workers.io import broker, db
 
 pytestmark = pytest.mark.acceptance
-
-
-def events(proc: Proc, name: str) -> list[dict[str, object]]:
-    return [o for o in log_objects(proc) if o.get("event") == name]
-
-
-async def consumes(env: Env, crew: Crew, worker: str) -> None:
-    """The worker's consumer really runs: a malformed message it must isolate is
-    isolated (a receipt the receipts worker quarantines, a command a participant
-    refuses)."""
-    if worker == "receipts":
-        await publish_raw(env.settings, broker.EXCHANGE_RECEIPTS, broker.RECEIPTS_KEY, [b"[1"])
-        query, participant = "SELECT count(*) FROM custody.quarantine", False
-    else:
-        await publish_raw(env.settings, broker.EXCHANGE_COMMANDS, f"{worker}.v1", [b"[1"])
-        query, participant = f"SELECT count(*) FROM participant_{worker}.refused", True
-
-    async def handled() -> bool:
-        return int(await env.scalar(query, participant=participant)) >= 1
-
-    await crew.wait(handled, timeout=30, what=f"{worker} to consume a malformed message")
 
 
 @pytest.mark.timeout(120)
