@@ -384,11 +384,34 @@ UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now
 -- Reconciler: deadlines, retries and unknown outcomes, one transaction per sweep ----------
 
 -- name: operations_overdue
-SELECT id, instance_id, status FROM operations
- WHERE status IN ('pending', 'dispatched', 'accepted') AND deadline_at < now()
+-- The in-flight operations past their deadline, oldest deadline first. One scan per
+-- status, each in deadline order through operations_open (status, deadline_at) and
+-- stopped at the limit: a sweep reads the rows it takes, never every overdue or open
+-- operation. (With the three statuses in one IN list, no index gives deadline order:
+-- the planner read every match and sorted it, O(overdue) per batch after an outage,
+-- and read the whole table when its statistics called most operations open.) Each
+-- status locks up to the limit and the oldest of them are returned: the others stay
+-- locked until the sweep commits and are taken by the next one.
+WITH pending AS (
+    SELECT id, instance_id, status, deadline_at FROM operations
+     WHERE status = 'pending' AND deadline_at < now()
+     ORDER BY deadline_at LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED),
+dispatched AS (
+    SELECT id, instance_id, status, deadline_at FROM operations
+     WHERE status = 'dispatched' AND deadline_at < now()
+     ORDER BY deadline_at LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED),
+accepted AS (
+    SELECT id, instance_id, status, deadline_at FROM operations
+     WHERE status = 'accepted' AND deadline_at < now()
+     ORDER BY deadline_at LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED)
+SELECT id, instance_id, status FROM (
+    SELECT * FROM pending UNION ALL SELECT * FROM dispatched UNION ALL SELECT * FROM accepted
+) overdue
  ORDER BY deadline_at
- LIMIT %(limit)s
-   FOR UPDATE SKIP LOCKED;
+ LIMIT %(limit)s;
 
 -- name: queries_overdue
 SELECT id, instance_id, status::text FROM operations

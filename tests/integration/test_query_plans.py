@@ -486,6 +486,69 @@ def test_the_reconcilers_status_change_reaches_its_operation_by_its_key_whatever
     )
 
 
+@pytest.fixture(scope="module")
+def stale(templates: tuple[str, str]) -> Iterator[str]:
+    """An engine database whose statistics were taken while its operations were open and
+    overdue (analysed in an outage, or at the peak of a burst), settled since: every
+    operation succeeded, the table vacuumed, its statistics not taken again (autovacuum
+    analyses a table after a tenth of it changed, and is off here)."""
+    with _young_clone(templates[0], "custody_stale") as url:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("ALTER TABLE custody.operations SET (autovacuum_enabled = false)")
+            conn.execute(ENGINE_ROWS[0])
+            conn.execute(
+                "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+                " operation, route, owner, principal, binding, input, lineage, attempt, digest,"
+                " status, deadline_seconds, deadline_at)"
+                f" SELECT {_id(3)}, 'acme', {_id(1)}, 'n', 1, 'inventory.reserve', 'r',"
+                " 'inventory', 'custody-inventory', 'b', '{}', '{}', 1, 'digest', 'accepted',"
+                f" 60, now() - interval '1 minute' FROM generate_series(1, {ROWS}) g"
+            )
+            conn.execute("VACUUM ANALYZE custody.operations")
+            conn.execute("UPDATE custody.operations SET status = 'succeeded'")
+            conn.execute("VACUUM custody.operations")
+        yield url
+
+
+def executed_plan(url: str, statement: LiteralString, params: dict[str, Any], mode: str) -> Any:
+    """The plan a statement ran with (``EXPLAIN ANALYZE``, parameters bound server-side,
+    ``plan_cache_mode`` as given), in a transaction rolled back."""
+    with psycopg.connect(url) as conn:
+        conn.execute("SET search_path = custody")
+        conn.execute(pg_sql.SQL("SET plan_cache_mode = {}").format(pg_sql.Identifier(mode)))
+        row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()
+        conn.rollback()
+        assert row is not None
+        return row[0][0]["Plan"]
+
+
+@pytest.mark.parametrize("mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_deadline_sweep_reads_only_the_operations_it_takes_whatever_the_statistics(
+    mode: str, databases: dict[str, tuple[str, str]], stale: str
+) -> None:
+    """Seed: "A timeout can produce OutcomeUnknown." The reconciler's deadline sweep
+    (``operations_overdue``) takes a batch of overdue in-flight operations on every poll.
+    With the three statuses in one ``IN`` list no index gives deadline order: the planner
+    read every overdue operation and sorted them for each batch (O(overdue) per batch:
+    the 400 overdue of the analysed history for a batch of 50, the thousands an outage
+    leaves for each 200), and where the statistics said most operations were open it read
+    the whole table (the bench's backlog run: 120,080 rows read and sorted on every
+    poll, 36 to 58 ms, while none was overdue). Whatever the statistics, the sweep reads
+    ``operations`` only through ``operations_open`` in deadline order, and no scan
+    returns more rows than the batch."""
+    limit = 50
+    urls = {"analysed history": databases["engine"][0], "stale statistics": stale}
+    for kind, url in urls.items():
+        plan = executed_plan(url, sql.query("operations_overdue"), {"limit": limit}, mode)
+        reads = [n for n in nodes(plan) if n.get("Relation Name") == "operations"]
+        shown = f"operations_overdue ({kind}, {mode}): {plan}"
+        assert reads, shown
+        assert {(n["Node Type"], n.get("Index Name")) for n in reads} == {
+            ("Index Scan", "operations_open")
+        }, shown
+        assert max(n["Actual Rows"] for n in reads) <= limit, shown
+
+
 @pytest.mark.parametrize("name", ["instance_results", "node_activations"])
 def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
     name: str, databases: dict[str, tuple[str, str]], young: str
