@@ -4,8 +4,12 @@ and the peak resident memory of the processes a run is made of."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from bench import pace
 from bench.pg_activity import PgActivity
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -125,6 +130,9 @@ class CpuWindow:
     machine: MachineCpu
     activity: PgActivity | None = None
     memory: list[MemRow] = field(default_factory=list)
+    # the machine's pace in the window: µs of CPU per unit of bench/pace.py's fixed work
+    # (median; higher is slower), None when it was not sampled
+    pace_us: float | None = None
 
     def worker_rss_kib(self, groups: Sequence[str]) -> int:
         """The sum of the peaks of this system's own processes (broker and database
@@ -163,14 +171,44 @@ class Probe:
         self.groups = dict(groups)
         self.databases = set(databases)
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self._pace: asyncio.subprocess.Process | None = None
+        self._pace_file: Path | None = None
+        self._pace_samples = ""
 
     async def __aenter__(self) -> Probe:
         self._conn = await psycopg.AsyncConnection.connect(
             self.admin_url, autocommit=True, application_name="bench-probe"
         )
+        # the machine's pace through the window (bench/pace.py), counted as "other"
+        fd, name = tempfile.mkstemp(prefix="bench-pace-", suffix=".txt")
+        os.close(fd)
+        self._pace_file = Path(name)
+        self._pace = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.pace",
+            name,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        self.own[PACE_LABEL] = self._pace.pid
+        # the window starts once it samples (an interpreter's start takes a moment)
+        for _ in range(300):  # 3 s at most
+            if self._pace_file.stat().st_size:
+                break
+            await asyncio.sleep(0.01)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._pace is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._pace.terminate()
+            await self._pace.wait()
+            self._pace = None
+        if self._pace_file is not None:  # its samples stay for window()
+            self._pace_samples = pace.read(self._pace_file)
+            self._pace_file.unlink(missing_ok=True)
+            self._pace_file = None
         if self._conn is not None:
             await self._conn.close()
 
@@ -204,6 +242,11 @@ class Probe:
             rows=sorted(out.values(), key=lambda r: -r.seconds),
             machine=end.machine - start.machine,
             memory=self._memory(end),
+            pace_us=pace.between(
+                pace.read(self._pace_file) if self._pace_file else self._pace_samples,
+                start.wall,
+                end.wall,
+            ),
         )
 
     def _memory(self, end: Snapshot) -> list[MemRow]:
@@ -234,6 +277,7 @@ class Probe:
 
 
 CHILDREN = " (children)"
+PACE_LABEL = "other: the pace probe (bench/pace.py)"
 
 
 def _kind(label: str) -> str:

@@ -169,6 +169,15 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}"
 
 
+def machine_pace(reference: CpuWindow, other: CpuWindow) -> float | None:
+    """How much slower the machine ran in the ``other`` window than in the
+    ``reference`` one (bench/pace.py: the same fixed work's CPU time per unit; above 1:
+    slower). None when either window has no pace."""
+    if reference.pace_us is None or other.pace_us is None or reference.pace_us <= 0:
+        return None
+    return other.pace_us / reference.pace_us
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -217,6 +226,12 @@ def _cpu_table(window: CpuWindow, ops: int, nproc: int) -> list[str]:
         f" interrupts {m.irq:.1f} s), hypervisor steal {m.steal:.1f} s. By group: "
         + ", ".join(f"{g} {s:.1f} s" for g, s in sorted(by_group.items(), key=lambda x: -x[1]))
         + "."
+        + (
+            f" The machine's pace: {window.pace_us:,.0f} µs of CPU per unit of"
+            " bench/pace.py's fixed work (higher is slower)."
+            if window.pace_us is not None
+            else ""
+        )
     )
     foreign = sum(r.seconds for r in window.rows if r.group == "other")
     if foreign + unattributed > 0.1 * m.busy:
@@ -432,13 +447,20 @@ class Report:
         ]
         for c in self.custody:
             if c.backlog is not None:
+                ratio = c.ops_per_s / head.ops_per_s
                 parts.append(
                     f"on a backlog ({c.backlog.finished_ops:,} finished and"
                     f" {c.backlog.pending_ops:,} pending operations already in its tables,"
                     f" {c.backlog.rows:,} rows, {c.backlog.database_mb:,.0f} MB) custody"
-                    f" r{c.replicas} moves **{_ratio(c.ops_per_s / head.ops_per_s)} x** its"
-                    " empty-table figure"
+                    f" r{c.replicas} moves **{_ratio(ratio)} x** its empty-table figure"
                 )
+                pace = machine_pace(head.cpu, c.cpu)
+                if pace is not None:
+                    parts[-1] += (
+                        f" (the machine's pace in its window: {_ratio(pace)} x the"
+                        " empty-table window's, bench/pace.py, above 1 slower; at the same"
+                        f" pace, about **{_ratio(ratio * pace)} x**)"
+                    )
         if parts:
             lines += ["In short: " + "; ".join(parts) + ".", ""]
         lines += [
