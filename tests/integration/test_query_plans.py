@@ -632,31 +632,12 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 # name -> (relation, the only index it may be read through, parameters): the statements
-# a unit of one item (light load) runs on rows of a growing table by their keys
+# a unit of one item (light load) runs on rows of a growing table by their keys (the
+# batch ones with a batch of one; the committer's reads of the instance it claimed)
 ONE_ITEM: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "operation_apply": (
-        "operations",
-        "operations_pkey",
-        {"rows": _batch_rows(id=str(uuid.uuid4()), expected="pending", status="dispatched")},
-    ),
-    "node_finish": (
-        "node_states",
-        "node_states_operation",
-        {"rows": _batch_rows(operation_id=str(uuid.uuid4()), status="done")},
-    ),
-    "instance_finish": (
-        "instances",
-        "instances_pkey",
-        {"rows": _batch_rows(id=str(uuid.uuid4()), status="completed")},
-    ),
-    # the instance successor_claim locked (custody.claimed_instances: one here)
-    "instance_results": (
-        "operations",
-        "operations_instance_id_node_activation_key|operations_instance",
-        {},
-    ),
-    "node_activations": ("node_states", "node_states_pkey", {}),
-}
+    name: PER_EXECUTION[name]
+    for name in ("operation_apply", "node_finish", "instance_finish", "instance_results")
+} | {"node_activations": ("node_states", "node_states_pkey", {})}
 MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after its burst
 
 
@@ -705,11 +686,15 @@ def test_a_unit_of_one_item_reaches_its_rows_by_their_keys_on_a_table_of_any_siz
     rows (a small deployment, or any deployment's first hour) as on a large one. The
     committer's reads of the instance it claimed are held to the same."""
     relation, index, params = ONE_ITEM[name]
-    plan = explain_claimed(middle, sql.query(name), params)
+    _read_by_key(name, explain_claimed(middle, sql.query(name), params), relation, index)
+
+
+def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
+    """The plan reads ``relation`` through one of the ``|``-separated indexes, never in
+    full (its own indexes are named after it; a bitmap scan's index node names the index
+    only)."""
     every = list(nodes(plan))
     full = [n for n in every if n["Node Type"] == "Seq Scan" and n["Relation Name"] == relation]
-    # the relation's own indexes (named after it; a bitmap scan's index node names the
-    # index only)
     used = {n["Index Name"] for n in every if n.get("Index Name", "").startswith(relation)}
     assert not full and len(used) == 1 and used <= set(index.split("|")), (
         f"{name} reads {relation} through {used or 'a full scan'}: {plan}"
@@ -798,13 +783,4 @@ async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_
             if any(f"custody.{t}" in statement for t in grown):
                 conn.execute(statement)
     for name, (relation, index, params) in PER_EXECUTION.items():
-        plan = explain(growing, "custody", sql.query(name), params)
-        every = list(nodes(plan))
-        full = [n for n in every if n["Node Type"] == "Seq Scan" and n["Relation Name"] == relation]
-        # the relation's own indexes (named after it): a bitmap scan's index node names
-        # the index only
-        used = {n["Index Name"] for n in every if n.get("Index Name", "").startswith(relation)}
-        allowed = set(index.split("|"))  # any one of these
-        assert not full and len(used) == 1 and used <= allowed, (
-            f"{name} reads {relation} through {used}: {plan}"
-        )
+        _read_by_key(name, explain(growing, "custody", sql.query(name), params), relation, index)
