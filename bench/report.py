@@ -169,6 +169,10 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}"
 
 
+def _pace(window: CpuWindow) -> str:
+    return f"{window.pace_us:,.0f}" if window.pace_us is not None else ""
+
+
 def machine_pace(reference: CpuWindow, other: CpuWindow) -> float | None:
     """How much slower the machine ran in the ``other`` window than in the
     ``reference`` one (bench/pace.py: the same fixed work's CPU time per unit; above 1:
@@ -393,6 +397,7 @@ class Report:
                     f"{1000 * c.cpu.own / c.ops:.1f}",
                     light,
                     _mib(c.cpu.worker_rss_kib(WORKER_GROUPS)),
+                    _pace(c.cpu),
                 ]
             )
         for r in self.peers:
@@ -408,6 +413,7 @@ class Report:
                     f"{1000 * r.cpu.own / r.ops:.1f}",
                     f"{_ms(r.light_step_p50_ms)} / {_ms(r.light_step_p99_ms)}",
                     _mib(r.cpu.worker_rss_kib(WORKER_GROUPS)),
+                    _pace(r.cpu),
                 ]
             )
         rows.append(
@@ -422,6 +428,7 @@ class Report:
                 f"{1000 * b.cpu.own / b.ops:.1f}",
                 "",
                 _mib(b.cpu.worker_rss_kib(WORKER_GROUPS)),
+                _pace(b.cpu),
             ]
         )
         lines += _table(
@@ -436,15 +443,20 @@ class Report:
                 "CPU ms / operation",
                 "light load, one operation p50 / p99",
                 "peak RSS, its own processes",
+                "machine pace (µs per unit, bench/pace.py)",
             ],
             rows,
         )
         lines.append("")
-        parts = [
-            f"custody r{head.replicas} moves {_ratio(head.ops_per_s / r.ops_per_s)} x the"
-            f" operations/s of {r.system}"
-            for r in self.peers
-        ]
+        parts = []
+        for r in self.peers:
+            ratio = head.ops_per_s / r.ops_per_s
+            parts.append(
+                f"custody r{head.replicas} moves {_ratio(ratio)} x the operations/s of {r.system}"
+            )
+            pace = machine_pace(r.cpu, head.cpu)
+            if pace is not None:
+                parts[-1] += f" ({_ratio(ratio * pace)} x at the same machine pace)"
         for c in self.custody:
             if c.backlog is not None:
                 ratio = c.ops_per_s / head.ops_per_s
@@ -481,6 +493,13 @@ class Report:
             "- *peak RSS*: the sum of the peak resident sets (VmHWM) of the system's own"
             " processes (workers, pool children), without the broker and the database;"
             " per process type in *Memory* below.",
+            "- *machine pace*: the median CPU time of a fixed piece of pure-Python work,"
+            " timed every 100 ms in its own process through the burst window"
+            " (bench/pace.py; higher is slower). The machine's speed moves by a tenth or"
+            " more from one minute to the next, and each system's burst has its own"
+            ' window: a ratio "at the same machine pace" multiplies the ratio by the two'
+            " windows' paces. It is rough: the probe shares the caches of whatever runs"
+            " beside it, so a system's own mix of processes moves it too.",
             "",
         ]
         return lines
