@@ -401,9 +401,9 @@ UPDATE instances SET status = 'cancelled', finished_at = now(), updated_at = now
 -- stopped at the limit: a sweep reads the rows it takes, never every overdue or open
 -- operation. (With the three statuses in one IN list, no index gives deadline order:
 -- the planner read every match and sorted it, O(overdue) per batch after an outage,
--- and read the whole table when its statistics called most operations open.) Each
--- status locks up to the limit and the oldest of them are returned: the others stay
--- locked until the sweep commits and are taken by the next one.
+-- and read the whole table when its statistics called most operations open.) Up to the
+-- limit of each status, and every row locked is returned: the sweep moves all it
+-- locks, so no row stays locked without being moved.
 WITH pending AS (
     SELECT id, instance_id, status, deadline_at FROM operations
      WHERE status = 'pending' AND deadline_at < now()
@@ -422,8 +422,7 @@ accepted AS (
 SELECT id, instance_id, status FROM (
     SELECT * FROM pending UNION ALL SELECT * FROM dispatched UNION ALL SELECT * FROM accepted
 ) overdue
- ORDER BY deadline_at
- LIMIT %(limit)s;
+ ORDER BY deadline_at;
 
 -- name: queries_overdue
 SELECT id, instance_id, status::text FROM operations

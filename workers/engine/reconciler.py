@@ -112,7 +112,8 @@ class Reconciler:
         return len(due)
 
     async def sweep_deadlines(self) -> int:
-        """One batch of overdue operations to ``outcome_unknown``, in one transaction."""
+        """Overdue operations to ``outcome_unknown``, up to a batch of each in-flight
+        status, in one transaction."""
         async with (
             otel.claimed("deadlines", ACTOR) as span,
             self.db.transaction(self.lease) as tx,
