@@ -8,9 +8,10 @@ apart from any system under test: the same pure-Python work (arithmetic, a dict,
 I/O), its CPU time (``time.process_time_ns``: not the time it waited for a core) per
 unit, a sample every 100 ms, about 1 % of one core. Its process is labelled and counted
 as "other", outside every system's figures. ``Probe`` (bench/cpu.py) runs it for each
-window; the report gives each window's mean (µs per unit: higher is slower) and uses the
-ratio of two windows' means to put the backlog's figure at the speed of the empty-table
-run's window.
+window; the report gives each window's median (µs per unit: higher is slower) and uses
+the ratio of two windows' medians to give each ratio (custody against a peer, the
+backlog against the empty tables) also at the same pace. Rough: the probe shares the
+caches of whatever runs beside it.
 
 Run as ``python -m bench.pace <file>``: one line per sample, ``<time.monotonic()>
 <µs of CPU per unit>``, until terminated.
