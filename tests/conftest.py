@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import time
 import uuid
@@ -48,6 +49,24 @@ def database_url(name: str) -> str:
 def admin_execute(statement: sql.Composable) -> None:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(statement)
+
+
+@contextlib.contextmanager
+def clone_database(template: str, prefix: str) -> Iterator[str]:
+    """A database of its own, cloned from ``template`` (no broker), dropped after use:
+    its url."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin_execute(
+        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)
+        )
+    )
+    try:
+        yield database_url(name)
+    finally:
+        admin_execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,21 +5,19 @@ and two sweeps never taking the same operation.
 
 Seed: "A timeout can produce OutcomeUnknown." The sweep reads one status at a time, each
 in deadline order and stopped at the batch, and merges them (queries.sql); these tests
-hold the merge to what the single ``IN`` list it replaced returned. The plans are held
-in test_query_plans.py::test_the_deadline_sweep_reads_only_the_operations_it_takes_….
+hold what it takes, the plans are held in
+test_query_plans.py::test_the_deadline_sweep_reads_only_the_operations_it_takes_….
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql as pg_sql
 
-from tests.conftest import admin_execute, database_url
+from tests.conftest import clone_database
 from workers.io import sql
 
 BATCH = 50
@@ -38,14 +36,7 @@ OVERDUE = 40 + 70 + 60
 @pytest.fixture
 def engine(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database of its own, with operations in every case above."""
-    name = f"custody_sweep_{uuid.uuid4().hex[:10]}"
-    admin_execute(
-        pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            pg_sql.Identifier(name), pg_sql.Identifier(templates[0])
-        )
-    )
-    url = database_url(name)
-    try:
+    with clone_database(templates[0], "custody_sweep") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             for n, (status, count, offset) in enumerate(ROWS):
                 conn.execute(
@@ -69,10 +60,6 @@ def engine(templates: tuple[str, str]) -> Iterator[str]:
                     {"n": n, "count": count, "status": status},
                 )
         yield url
-    finally:
-        admin_execute(
-            pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
-        )
 
 
 def _overdue(conn: psycopg.Connection[Any]) -> list[tuple[str, str]]:

@@ -11,7 +11,6 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import uuid
@@ -23,7 +22,7 @@ import psycopg.types.json
 import pytest
 from psycopg import sql as pg_sql
 
-from tests.conftest import admin_execute, database_url
+from tests.conftest import clone_database
 from workers import provision
 from workers.engine import retention as engine_retention
 from workers.io import db, sql
@@ -161,36 +160,21 @@ def databases(templates: tuple[str, str]) -> Iterator[dict[str, tuple[str, str]]
     """An engine and a participant database of their own (clones of the session's
     templates, no broker needed), filled and analysed: kind -> (url, search_path)."""
     engine_tpl, part_tpl = templates
-    tag = uuid.uuid4().hex[:10]
-    engine_db, part_db = f"custody_plan_{tag}", f"custody_pplan_{tag}"
-    for name, template in ((engine_db, engine_tpl), (part_db, part_tpl)):
-        admin_execute(
-            pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                pg_sql.Identifier(name), pg_sql.Identifier(template)
-            )
-        )
     schema = provision.participant_schema(PARTICIPANT)
-    try:
-        with psycopg.connect(database_url(engine_db), autocommit=True) as conn:
+    with (
+        clone_database(engine_tpl, "custody_plan") as engine_url,
+        clone_database(part_tpl, "custody_pplan") as part_url,
+    ):
+        with psycopg.connect(engine_url, autocommit=True) as conn:
             for statement in ENGINE_ROWS:
                 conn.execute(statement)
             conn.execute("ANALYZE")
-        with psycopg.connect(database_url(part_db), autocommit=True) as conn:
+        with psycopg.connect(part_url, autocommit=True) as conn:
             conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
             for statement in PARTICIPANT_ROWS:
                 conn.execute(statement)
             conn.execute("ANALYZE")
-        yield {
-            "engine": (database_url(engine_db), "custody"),
-            "participant": (database_url(part_db), schema),
-        }
-    finally:
-        for name in (engine_db, part_db):
-            admin_execute(
-                pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    pg_sql.Identifier(name)
-                )
-            )
+        yield {"engine": (engine_url, "custody"), "participant": (part_url, schema)}
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -200,11 +184,20 @@ def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from nodes(child)
 
 
-def explain(url: str, schema: str, statement: LiteralString, params: dict[str, Any]) -> Any:
+def explain(
+    url: str,
+    schema: str,
+    statement: LiteralString,
+    params: dict[str, Any],
+    claimed: str | None = None,
+) -> Any:
     """The JSON plan of a statement with these parameters (bound client-side, so the plan
-    is the one chosen for those values)."""
+    is the one chosen for those values); ``claimed``: in a session where successor_claim
+    claimed that instance (custody.claimed_instances)."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
+        if claimed is not None:
+            conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [claimed])
         cur = psycopg.ClientCursor(conn)
         cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
         row = cur.fetchone()
@@ -363,30 +356,12 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-@contextlib.contextmanager
-def _young_clone(template: str, prefix: str) -> Iterator[str]:
-    """A clone of the engine template (its tables empty and never analysed), dropped
-    after use: its url."""
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    admin_execute(
-        pg_sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            pg_sql.Identifier(name), pg_sql.Identifier(template)
-        )
-    )
-    try:
-        yield database_url(name)
-    finally:
-        admin_execute(
-            pg_sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(pg_sql.Identifier(name))
-        )
-
-
 @pytest.fixture(scope="module")
 def young(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database as a deployment's first seconds find it: its tables empty and
     never analysed (the plans a worker caches then are the ones it keeps while the
     tables grow, until autovacuum analyses them)."""
-    with _young_clone(templates[0], "custody_young") as url:
+    with clone_database(templates[0], "custody_young") as url:
         yield url
 
 
@@ -492,7 +467,7 @@ def stale(templates: tuple[str, str]) -> Iterator[str]:
     overdue (analysed in an outage, or at the peak of a burst), settled since: every
     operation succeeded, the table vacuumed, its statistics not taken again (autovacuum
     analyses a table after a tenth of it changed, and is off here)."""
-    with _young_clone(templates[0], "custody_stale") as url:
+    with clone_database(templates[0], "custody_stale") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("ALTER TABLE custody.operations SET (autovacuum_enabled = false)")
             conn.execute(ENGINE_ROWS[0])
@@ -645,7 +620,7 @@ MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after it
 def middle(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database whose tables hold a few thousand rows, not analysed yet (a
     small deployment; the bench's light phase, after its burst on a new database)."""
-    with _young_clone(templates[0], "custody_middle") as url:
+    with clone_database(templates[0], "custody_middle") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("SET session_replication_role = replica")  # rows without parents
             grown = ("instances ", "operations ", "node_states ")
@@ -653,18 +628,6 @@ def middle(templates: tuple[str, str]) -> Iterator[str]:
                 if any(f"custody.{t}" in statement for t in grown):
                     conn.execute(statement.replace(f"1, {ROWS})", f"1, {MIDDLE_ROWS})"))
         yield url
-
-
-def explain_claimed(url: str, statement: LiteralString, params: dict[str, Any]) -> Any:
-    """:func:`explain`, in a session where successor_claim has claimed one instance."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SET search_path = custody")
-        conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [_FIRST])
-        cur = psycopg.ClientCursor(conn)
-        cur.execute("EXPLAIN (FORMAT JSON) " + statement, params)
-        row = cur.fetchone()
-        assert row is not None
-        return row[0][0]["Plan"]
 
 
 _FIRST = "00000001-0000-0000-0000-000000000001"  # the first instance of ENGINE_ROWS
@@ -686,7 +649,8 @@ def test_a_unit_of_one_item_reaches_its_rows_by_their_keys_on_a_table_of_any_siz
     rows (a small deployment, or any deployment's first hour) as on a large one. The
     committer's reads of the instance it claimed are held to the same."""
     relation, index, params = ONE_ITEM[name]
-    _read_by_key(name, explain_claimed(middle, sql.query(name), params), relation, index)
+    plan = explain(middle, "custody", sql.query(name), params, claimed=_FIRST)
+    _read_by_key(name, plan, relation, index)
 
 
 def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
@@ -723,7 +687,7 @@ APPLY_UNCHANGED = {
 def growing(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database of its own, young (empty, never analysed), for a test that
     then fills it."""
-    with _young_clone(templates[0], "custody_growing") as url:
+    with clone_database(templates[0], "custody_growing") as url:
         yield url
 
 
