@@ -81,6 +81,13 @@ SELECT id::text, tenant, start_request_id::text, process, input, status::text
 -- A batch's activations, in one statement: their nodes, operations, attempts and outbox
 -- rows (in the batch's order), and the unit's history (in its order). The foreign keys
 -- between them are checked at the end of the statement, with every row in.
+-- A submit is queued already claimed by %(holder)s when given (the committer's own
+-- sender, which publishes it right after this commit: no wake-up, no claim transaction)
+-- when the claim would take it now (outbox_claim): dispatch not paused, globally, for
+-- this worker (%(held)s) or for the instance, and the instance running (the committer
+-- holds its row lock). Otherwise it is queued unclaimed, for the publisher's claim, as
+-- is a claimed one whose sender dies first (once the claim expires). Returns the ids
+-- queued claimed.
 WITH n AS (
   INSERT INTO node_states (instance_id, node, activation, operation_id, status)
   SELECT r.instance_id, r.node, r.activation, r.operation_id, 'active'
@@ -103,21 +110,35 @@ WITH n AS (
     FROM jsonb_to_recordset(%(attempts)s)
          AS r(request_id uuid, operation_id uuid, attempt integer, kind text, digest text)
 ), x AS (
-  INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id)
+  INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id,
+                      claimed_by, claim_expires_at, publish_attempts)
   SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers::jsonb,
-         r.operation_id
+         r.operation_id, c.holder, c.expires, CASE WHEN c.holder IS NULL THEN 0 ELSE 1 END
     FROM ROWS FROM (jsonb_to_recordset(%(outbox)s)
                     AS (id uuid, kind text, exchange text, routing_key text, body text,
-                        headers text, operation_id uuid))
-         WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id, n)
+                        headers text, operation_id uuid, instance_id uuid))
+         WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id,
+                              instance_id, n)
+         LEFT JOIN LATERAL (
+           SELECT %(holder)s::text AS holder,
+                  clock_timestamp() + make_interval(secs => %(ttl)s::float8) AS expires
+            WHERE %(holder)s::text IS NOT NULL AND r.kind = 'submit' AND NOT %(held)s::bool
+              AND NOT (SELECT dispatch_paused FROM control)
+              AND (SELECT i.status = 'running' AND NOT i.dispatch_paused
+                     FROM instances i WHERE i.id = r.instance_id)
+         ) c ON true
+   ORDER BY r.n
+  RETURNING id, claimed_by
+), h AS (
+  INSERT INTO history (instance_id, operation_id, event, detail, actor)
+  SELECT r.instance_id, r.operation_id, r.event, coalesce(r.detail, '{}'), r.actor
+    FROM ROWS FROM (jsonb_to_recordset(%(history)s)
+                    AS (instance_id uuid, operation_id uuid, event text, detail jsonb,
+                        actor text))
+         WITH ORDINALITY AS r(instance_id, operation_id, event, detail, actor, n)
    ORDER BY r.n
 )
-INSERT INTO history (instance_id, operation_id, event, detail, actor)
-SELECT r.instance_id, r.operation_id, r.event, coalesce(r.detail, '{}'), r.actor
-  FROM ROWS FROM (jsonb_to_recordset(%(history)s)
-                  AS (instance_id uuid, operation_id uuid, event text, detail jsonb, actor text))
-       WITH ORDINALITY AS r(instance_id, operation_id, event, detail, actor, n)
- ORDER BY r.n;
+SELECT id::text FROM x WHERE claimed_by IS NOT NULL;
 
 -- name: successor_claim
 -- The instance row is locked with the intent: cancel takes the same lock, so the status

@@ -642,7 +642,7 @@ BEGIN
   END IF;
   UPDATE custody.control SET dispatch_paused = false, updated_at = now();
   RETURN custody.outcome(p_actor, 'resume', NULL, 'restore', p_reason, v_inputs, 'done',
-    'effect dispatch resumed in the database; restart publishers without '
+    'effect dispatch resumed in the database; restart publishers and committers without '
     'CUSTODY_DISPATCH_PAUSED',
     jsonb_build_object('dispatch_paused', false, 'unanswered', v_pending));
 END $$;

@@ -474,8 +474,8 @@ SELECT i.operation_id::text, min(i.accepted_at), max(o.published_at)
  GROUP BY i.operation_id
 """
 HOPS = (
-    "created → the participant begins accepting it (the rest of the committer's transaction,"
-    " the publisher's wake-up and claim, publish and broker confirm, the delivery)",
+    "created → the participant begins accepting it (the rest of the committer's transaction"
+    " and its commit, the committer's publish of the submit, the delivery)",
     "the participant: acceptance begins → its receipt confirmed by the broker (inbox,"
     " handler, effect and receipt in one commit; the receipt's publish and confirm)",
     "receipt confirmed → the receipt consumer begins applying it (the delivery)",

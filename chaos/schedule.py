@@ -18,7 +18,17 @@ WORKERS: Final = ENGINE + PARTICIPANTS
 
 # crash points (workers/runtime/faults.py) by the worker that reaches them
 CRASH_POINTS: Final[Mapping[str, tuple[str, ...]]] = {
-    "committer": ("before_commit", "starts_locked", "successor_claimed"),
+    # the committer sends the submits it commits: the confirm boundary's points are its
+    # too (the publisher reaches them with what it claims: retries, queries, cancels,
+    # what a dead committer left)
+    "committer": (
+        "before_commit",
+        "starts_locked",
+        "successor_claimed",
+        "after_commit_before_send",
+        "after_publish_before_confirm",
+        "after_confirm_before_mark",
+    ),
     "publisher": ("after_publish_before_confirm", "after_confirm_before_mark"),
     "receipts": (
         "receipts_locked",

@@ -71,12 +71,17 @@ OWNED: dict[str, list[Expect]] = {
         Expect("custody_publish_confirm_latency_seconds_count", {"owner": "engine"}, 1),
         Expect("custody_publish_confirm_latency_seconds_bucket", {"le": "+Inf"}, 1),
         Expect("custody_outbox_publish_failures_total", {"owner": "engine", "kind": "returned"}, 1),
-        Expect("custody_outbox_published_total", {"owner": "engine"}, 15),
+        # the submits leave from the committer: the publisher sends the rest (none here)
+        Expect("custody_outbox_published_total", {"owner": "engine"}),
     ],
     "committer": [
         Expect("custody_quarantined_total", {"source": broker.QUEUE_REQUESTS}, 1),
         Expect("custody_redeliveries_total", {"worker": "committer"}),
         Expect("custody_transitions_total", {"kind": "start"}, 5),
+        # it sends the submits it commits: 5 instances of 3 operations
+        Expect("custody_outbox_published_total", {"owner": "engine"}, 15),
+        Expect("custody_publish_confirm_latency_seconds_count", {"owner": "engine"}, 1),
+        Expect("custody_dispatch_paused", {"owner": "engine", "scope": "committer"}),
     ],
     "receipts": [
         Expect("custody_receipts_total", {"verdict": "apply"}, 15),

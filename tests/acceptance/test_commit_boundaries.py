@@ -80,32 +80,39 @@ async def test_workflow_transition_killed_before_commit_commits_nothing(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("point", ["after_publish_before_confirm", "after_confirm_before_mark"])
-async def test_broker_confirmation_publisher_killed_before_mark_republishes_same_message(
+@pytest.mark.parametrize(
+    "point",
+    ["after_commit_before_send", "after_publish_before_confirm", "after_confirm_before_mark"],
+)
+async def test_broker_confirmation_sender_killed_before_mark_republishes_same_message(
     env: Env, crew: Crew, point: str
 ) -> None:
     """Broker confirmation: "The configured broker accepted the publication under its
     transport policy" — and only the outbox mark, committed after that confirm, ends the
-    publisher's custody of a row. A publisher SIGKILLed after publishing but before the
-    confirm (FAULTS 2), or after the confirm but before the mark (FAULTS 3), leaves its
-    claimed rows pending; after the claim expires a clean publisher sends them again
-    under the same message id (the row id is the request id), and the participant's
-    inbox deduplicates: every effect once, one inbox row per request id, no conflict. A
-    row whose operation settled meanwhile (the first send did arrive) is retired."""
-    doomed = crew.start("publisher", crash=point)
-    crew.start_all(skip=["publisher"])
+    sender's custody of a row. The committer publishes the submits it commits (each
+    queued claimed by its own sender); a committer SIGKILLed after its commit but before
+    the send, after publishing but before the confirm (FAULTS 2), or after the confirm
+    but before the mark (FAULTS 3), leaves its claimed rows pending; after the claim
+    expires the publisher worker claims them and sends them again under the same
+    message id (the row id is the request id), and the participant's inbox
+    deduplicates: every effect once, one inbox row per request id, no conflict. A row
+    whose operation settled meanwhile (the first send did arrive) is retired. The
+    publisher's own claims take the same path from the publish on
+    (``OutboxPublisher.run_once``; its claim: test_claim_and_send.py)."""
+    doomed = crew.start("committer", crash=point)
+    crew.start_all(skip=["committer"])
     await _start(env)
     await crew.wait_killed(doomed)
 
     held = await env.sql(
         "SELECT id, status, publish_attempts FROM custody.outbox WHERE claimed_by IS NOT NULL"
     )
-    assert held, "the killed publisher held no claimed outbox row"
+    assert held, "the killed committer held no claimed outbox row"
     assert {(s, a) for _, s, a in held} == {("pending", 1)}, held[:5]
     assert await count(env, "SELECT count(*) FROM custody.outbox WHERE status <> 'pending'") == 0
     held_ids = [r[0] for r in held]
 
-    assert_clean(crew.start("publisher"))
+    assert_clean(crew.start("committer"))
     await _settle(env, crew)
 
     # sent again under the same id, unless the first send had already reached the owner
@@ -122,7 +129,7 @@ async def test_broker_confirmation_publisher_killed_before_mark_republishes_same
         if not (r[1] == "published" and r[2] >= 2)
         and not (r[1] == "retired" and r[3] in ("succeeded", "failed"))
     ]
-    assert not not_resent, f"rows the killed publisher held were not sent again: {not_resent[:5]}"
+    assert not not_resent, f"rows the killed committer held were not sent again: {not_resent[:5]}"
     await assert_durable_happy_end(env, N)
 
     if point == "after_confirm_before_mark":

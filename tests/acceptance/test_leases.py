@@ -38,24 +38,27 @@ STOP_ENV = "CUSTODY_STOP_POINTS"
 
 
 @pytest.mark.timeout(120)
-async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_over(
+async def test_a_sender_paused_past_its_lease_is_fenced_and_a_replica_takes_over(
     env: Env, crew: Crew
 ) -> None:
     """INV-5: the zombie's commit is rejected by the epoch check inside its own
     transaction; the replica publishes the rows it had claimed; the participant
-    deduplicates the command published twice; every effect happens once."""
-    crew.start_all(skip=("publisher",))
-    zombie = crew.fleet.start("publisher", extra_env={STOP_ENV: "after_confirm_before_mark"})
+    deduplicates the command published twice; every effect happens once. The zombie is
+    the committer, which sends the submits it commits (its confirm mark is that
+    commit); the publisher worker claims the rows once the zombie's claims expired, and
+    a second committer carries the instances on."""
+    crew.start_all(skip=("committer",))
+    zombie = crew.fleet.start("committer", extra_env={STOP_ENV: "after_confirm_before_mark"})
     n = 10
     await publish_starts(env.settings, [order(i) for i in range(n)])
 
-    holder = await freeze_past_lease(env, zombie, "publisher")
+    holder = await freeze_past_lease(env, zombie, "committer")
 
     async def claims_expired() -> bool:
         # a claim outlives the lease by up to a third of its TTL (it was taken after the
-        # last renewal); a replica started before it expires can find the operations
-        # settled by then, and the woken zombie marks its rows itself (a fresh-clone run
-        # under load saw no row taken over)
+        # last renewal); the publisher can find the operations settled by then, and the
+        # woken zombie marks its rows itself (a fresh-clone run under load saw no row
+        # taken over)
         return (
             await env.scalar(
                 "SELECT count(*) FROM custody.outbox WHERE claimed_by LIKE %s"
@@ -65,8 +68,8 @@ async def test_a_publisher_paused_past_its_lease_is_fenced_and_a_replica_takes_o
             == 0
         )
 
-    await wait_until(claims_expired, timeout=30, what="the frozen publisher's claims to expire")
-    crew.start("publisher")  # the replica
+    await wait_until(claims_expired, timeout=30, what="the frozen committer's claims to expire")
+    crew.start("committer")  # the replica
     await crew.wait(all_finished(env, n), timeout=60, what="the replica to finish the work")
 
     os.kill(zombie.popen.pid, signal.SIGCONT)

@@ -248,16 +248,16 @@ async def test_a_deliberate_dispatch_pause_is_counted_as_held_never_as_a_stuck_o
 async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_worker(
     env: Env, crew: Crew
 ) -> None:
-    """The publisher freezes between a confirm and its mark, past its lease; resumed, its
-    heartbeat takes the lease back (epoch 2) and the mark is refused by the fence
-    (``lease.fenced``). That is one lease loss: ``custody_lease_losses_total`` is 1, for
-    ``worker="publisher"``, and there is no sample for the outbox's owner (``engine``)."""
-    start(crew, "committer", port=0)
-    zombie = start(crew, "publisher", CUSTODY_STOP_POINTS="after_confirm_before_mark")
+    """The committer (which sends the submits it commits) freezes between a confirm and
+    its mark, past its lease; resumed, its heartbeat takes the lease back (epoch 2) and
+    the mark is refused by the fence (``lease.fenced``). That is one lease loss:
+    ``custody_lease_losses_total`` is 1, for ``worker="committer"``, and there is no
+    sample for the outbox's owner (``engine``)."""
+    zombie = start(crew, "committer", CUSTODY_STOP_POINTS="after_confirm_before_mark")
     await wait_ready(crew, [zombie])
     await publish_starts(env.settings, [order(0)])
 
-    holder = await freeze_past_lease(env, zombie.proc, "publisher")
+    holder = await freeze_past_lease(env, zombie.proc, "committer")
     os.kill(zombie.proc.popen.pid, signal.SIGCONT)
 
     async def fenced_and_retaken() -> bool:
@@ -267,7 +267,7 @@ async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_wor
         return epoch == 2 and "lease.fenced" in zombie.proc.log.read_text()
 
     await crew.wait(fenced_and_retaken, timeout=30, what="the mark fenced and the lease retaken")
-    # one more start through the resumed publisher: it works on under epoch 2
+    # one more start through the resumed committer: it works on under epoch 2
     published = sum(
         v for _, v in _values(await metrics_text(zombie), "custody_outbox_published_total")
     )
@@ -277,8 +277,8 @@ async def test_a_fenced_confirm_mark_counts_one_lease_loss_labelled_with_the_wor
         text = await metrics_text(zombie)
         return sum(v for _, v in _values(text, "custody_outbox_published_total")) > published
 
-    await crew.wait(moved_on, timeout=30, what="the resumed publisher to publish again")
+    await crew.wait(moved_on, timeout=30, what="the resumed committer to publish again")
     losses = _values(await metrics_text(zombie), "custody_lease_losses_total")
-    assert losses == [({"worker": "publisher"}, 1.0)], (
-        f"one lease loss of worker publisher, counted once; got {losses}"
+    assert losses == [({"worker": "committer"}, 1.0)], (
+        f"one lease loss of worker committer, counted once; got {losses}"
     )

@@ -30,9 +30,9 @@ from workers.io import broker
 
 pytestmark = pytest.mark.acceptance
 
+# the committer publishes the submits it commits: no publisher in an unfaulted trace
 SERVICES = {
     "custody-committer",
-    "custody-publisher",
     "custody-receipts",
     *(f"custody-participant-{p}" for p in PARTICIPANTS),
 }
@@ -206,7 +206,7 @@ async def test_one_trace_from_start_to_end_exported_over_otlp(
             if s.name == f"publish {broker.EXCHANGE_COMMANDS}"
             and s.attributes["messaging.message.id"] == message_id
         ]
-        assert published.service == "custody-publisher"
+        assert published.service == "custody-committer"  # its own sender
         assert published.parent == span_of(stored) and span_of(stored) in by_id
         assert by_id[span_of(stored)].service == "custody-committer"
         assert published.attributes["messaging.rabbitmq.destination.routing_key"] == routing_key

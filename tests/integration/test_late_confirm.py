@@ -9,8 +9,9 @@ to pending, its own submit not yet sent), it must not mark attempt n+1 dispatche
 start its deadline, or attempt n+1 could reach outcome_unknown without its command
 ever having been published.
 
-The race is built without timing luck: only the committer runs, so attempt 1's submit
-waits in the outbox; the engine's real OutboxPublisher (in the least-privilege
+The race is built without timing luck: only the committer runs, held by the start-up
+switch (``CUSTODY_DISPATCH_PAUSED``, so that it sends nothing itself), so attempt 1's
+submit waits in the outbox; the engine's real OutboxPublisher (in the least-privilege
 publisher role) claims it, as if it were now publishing it; the operation is put in
 authoritative retry_waiting with effect none (test setup, as the superuser: the receipt
 that would say so is not the subject here); the operator's real retry-safe creates
@@ -19,6 +20,7 @@ attempt 2, whose submit the publisher claims too; then the confirms are marked.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -74,7 +76,8 @@ async def _attempt_two_while_one_is_in_flight(
     retry-safe and its submit claimed: the operation id, the submits' request ids by
     attempt, and the claimed outbox rows."""
     fleet = InProcessFleet(env)
-    fleet.start_all(engine=("committer",), participants=())
+    # held by the start-up switch, the committer leaves its submit in the outbox
+    fleet.start("committer", dataclasses.replace(env.settings, dispatch_paused=True))
     try:
         await publish_starts(env.settings, [order(1)])
         await until_status(env, "reserve", "pending")

@@ -420,8 +420,11 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
     ).returncode == 0
     await until_status(short, "ship", "succeeded")
 
-    publisher = next(r for r in fleet.running if r.name == "publisher")
-    await fleet.stop(publisher)
+    # the next two submits wait in the outbox: no publisher, and a committer held by the
+    # start-up switch (it sends the submits it commits otherwise)
+    for name in ("publisher", "committer"):
+        await fleet.stop(next(r for r in fleet.running if r.name == name))
+    committer = fleet.start("committer", dataclasses.replace(short.settings, dispatch_paused=True))
     held, _free = await publish_starts(short.settings, [order(2), order(3)])
 
     async def started() -> bool:
@@ -435,6 +438,8 @@ async def test_dispatch_pause_holds_effect_dispatch_and_resume_releases_it(
         short, "dispatch", "pause", "--instance", instance, "--reason", "customer asked to hold"
     )
     assert paused.returncode == 0, paused.stderr
+    await fleet.stop(committer)
+    fleet.start("committer")
     fleet.start("publisher")
 
     async def other_done() -> bool:

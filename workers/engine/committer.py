@@ -3,8 +3,15 @@
 It commits, in one transaction, node state, history, the operation and its attempt,
 and the outbox row that is the dispatch intent. Inputs: start requests (AMQP, acked
 after commit) and successor intents written by the receipt consumer (claimed with
-``FOR UPDATE SKIP LOCKED``, woken by NOTIFY with a polling fallback). It never talks
-to participants.
+``FOR UPDATE SKIP LOCKED``, woken by NOTIFY with a polling fallback).
+
+Its submits leave from this process: the commit queues each one already claimed by the
+process's own outbox publisher (``workers.runtime.outbox``, the *broker confirmation*
+boundary, in its own transactions), which publishes it right after the commit and marks
+it once confirmed; no NOTIFY, wake-up or claim transaction stands between a transition
+and its dispatch. A submit its sender never marks (the process died, the broker
+refused it) is the publisher worker's once its claim expires, as is every command the
+committer does not queue (retries, queries, cancels, a submit held by a pause).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from workers.core import activation, lifecycle, process, records, routes, tracin
 from workers.core.reasons import Reason
 from workers.engine import context, transitions
 from workers.io import broker, db
-from workers.runtime import consume, faults, logs, metrics, otel, probes, supervisor
+from workers.runtime import consume, faults, logs, metrics, otel, outbox, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "committer"
@@ -35,25 +42,39 @@ async def _write_plans(
     plans: Sequence[activation.Plan],
     before: Sequence[records.History] = (),
     after: Sequence[records.History] = (),
-) -> None:
+    sender: outbox.OutboxPublisher | None = None,
+) -> db.Answer | None:
     """The plans' rows and the unit's history (``before``, the plans' own, ``after``, in
-    that order) in one statement, sent without waiting."""
+    that order) in one statement, sent without waiting. Its submits are queued claimed
+    by ``sender`` where the publisher's claim would take them now: the answer names
+    those, to hand to it once the commit is durable (read with the commit's answer)."""
     history = [*before, *(p.history for p in plans), *after]
     if not plans:
-        # no outbox row: the outbox's statement trigger (a NOTIFY that wakes every
-        # publisher) fires for an INSERT even of no row
         await tx.send_many("history_insert", [h.params(db.jsonb) for h in history])
-        return
-    await tx.send(
+        return None
+    return await tx.ask(
         "activation_insert",
         {
             "nodes": db.jsonb([p.node for p in plans]),
             "operations": db.jsonb([p.operation.params(db.jsonb) for p in plans]),
             "attempts": db.jsonb([p.attempt for p in plans]),
-            "outbox": db.jsonb([p.outbox for p in plans]),
+            "outbox": db.jsonb([{**p.outbox, "instance_id": p.instance_id} for p in plans]),
             "history": db.jsonb([h.params(db.jsonb) for h in history]),
+            "holder": sender.holder if sender else None,
+            "ttl": sender.claim_ttl_s if sender else 0,
+            "held": sender.hold_submits if sender else True,
         },
     )
+
+
+def _handed(plan: activation.Plan) -> dict[str, Any]:
+    """A plan's submit as the publisher sends it (what its claim would have returned)."""
+    row = plan.outbox
+    return {
+        **row,
+        "headers": orjson.loads(row["headers"]) if row["headers"] else {},
+        "publish_attempts": 1,
+    }
 
 
 PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
@@ -77,6 +98,18 @@ class Committer:
         # an instance's pinned routes, parsed, with the names the current file changed
         # or removed, by their JSON: most instances pin the same routes
         self._pinned: dict[bytes, tuple[dict[str, ExecutorRoute], tuple[str, ...]]] = {}
+        # this process's publisher of the submits its commits queue claimed by it
+        # (None: every submit is left to the publisher worker's claim)
+        self.sender: outbox.OutboxPublisher | None = None
+
+    async def _hand(self, queued: db.Answer | None, plans: Sequence[activation.Plan]) -> None:
+        """After a commit: the submits it queued claimed by our sender go to it."""
+        if queued is None or self.sender is None:
+            return
+        mine = {r["id"] for r in await queued.rows()}
+        if mine:
+            faults.crash_point("after_commit_before_send")
+        self.sender.hand([_handed(p) for p in plans if p.outbox["id"] in mine])
 
     async def commit_requests(self, deliveries: Sequence[broker.Delivery]) -> None:
         """Start and cancel requests, in queue order: each run of starts in one
@@ -221,11 +254,12 @@ class Committer:
                 )
                 for i in instances
             ]
-            await _write_plans(tx, plans, before=started)
+            queued = await _write_plans(tx, plans, before=started, sender=self.sender)
             await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             if span.recording:
                 _traced(span, plans, [d.message_id for d, _ in valid])
             faults.crash_point("before_commit")
+        await self._hand(queued, plans)
         metrics.transitions("start", len(plans))
         context.quarantined(quarantine)
 
@@ -334,11 +368,12 @@ class Committer:
                     r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})
                 }
             history.extend(h for i, _, h in finishes if i in ended)
-            await _write_plans(tx, plans, after=history)
+            queued = await _write_plans(tx, plans, after=history, sender=self.sender)
             await tx.send("successor_done", {"ids": done})
             if isinstance(span, otel.Claimed):
                 span.parent(intents[0]["traceparent"])
                 _traced(span, plans, [])
+        await self._hand(queued, plans)
         metrics.transitions("successor", len(done))
         return len(intents)
 
@@ -433,6 +468,20 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
     async with context.running(settings, ACTOR, health) as ctx:
         committer = Committer(settings, ctx.db, ctx.lease, ctx.routes, ctx.catalog)
         waker = supervisor.Waker(settings.poll_interval_s)
+        # the submits it commits leave from here, right after their commit; the
+        # publisher worker claims what they leave behind (their claims expired)
+        committer.sender = outbox.OutboxPublisher(
+            owner="engine",
+            database=ctx.db,
+            lease=ctx.lease,
+            publisher=await ctx.broker.publisher(
+                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s, user_id=None
+            ),
+            batch_size=settings.batch_size,
+            claim_ttl_s=settings.lease_ttl_s,
+            engine=True,
+            hold_submits=settings.dispatch_paused,
+        )
 
         async def starts() -> None:
             await consume.run(
@@ -457,10 +506,27 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
                 if n < settings.batch_size:
                     await waker.wait()
 
-        await supervisor.supervise(
-            main=[starts(), successors()],
-            side=[
-                ctx.heartbeat(),
-                waker.follow(lambda: ctx.db.listen("custody_successor"), worker=ACTOR),
-            ],
-        )
+        try:
+            await supervisor.supervise(
+                main=[
+                    starts(),
+                    successors(),
+                    outbox.loop(
+                        committer.sender,
+                        stop,
+                        supervisor.Waker(settings.poll_interval_s),
+                        ctx.reacquire,
+                        ACTOR,
+                        claims=False,
+                    ),
+                ],
+                side=[
+                    ctx.heartbeat(),
+                    waker.follow(lambda: ctx.db.listen("custody_successor"), worker=ACTOR),
+                ],
+            )
+        finally:
+            # a unit that was committing when the stop came hands its submits over after
+            # the sender's loop may have ended: their claims are given back here, once
+            # nothing can hand more, so that the publisher claims them at once
+            await committer.sender.release_handed()

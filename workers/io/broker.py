@@ -936,7 +936,8 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
         return "^(" + "|".join(re.escape(n) for n in names) + ")$" if names else "^$"
 
     users = {
-        "custody-committer": ("^$", only(EXCHANGE_DEAD), only(QUEUE_REQUESTS)),
+        # the committer publishes the submits it commits (its dead letters too)
+        "custody-committer": ("^$", only(EXCHANGE_COMMANDS, EXCHANGE_DEAD), only(QUEUE_REQUESTS)),
         "custody-publisher": ("^$", only(EXCHANGE_COMMANDS), "^$"),
         "custody-receipts": ("^$", only(EXCHANGE_DEAD), only(QUEUE_RECEIPTS)),
         "custody-reconciler": ("^$", "^$", "^$"),

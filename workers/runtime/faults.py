@@ -24,6 +24,7 @@ from workers.errors import ConfigError
 POINTS: Final = frozenset(
     {
         "before_commit",
+        "after_commit_before_send",
         "after_publish_before_confirm",
         "after_confirm_before_mark",
         "after_commit_before_ack",

@@ -43,7 +43,7 @@ PART: Final = names.PARTICIPANT
 ENGINE_OWNER: Final = "engine"  # the ``owner`` of the engine's outbox
 
 TransitionKind = Literal["start", "successor", "deadline"]
-PauseScope = Literal["global", "publisher"]
+PauseScope = Literal["global", "publisher", "committer"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,9 @@ def _gauge(name: str, doc: str, labels: Collection[str] = ()) -> Gauge:
 
 
 OUTBOX: Final = frozenset({P, PART})  # every outbox publisher: the engine's, a participant's
+# every process that sends outbox rows: the outboxes' publishers and the committer, which
+# sends the submits it commits (the publisher worker alone samples the engine's outbox)
+SENDERS: Final = OUTBOX | {C}
 CONSUMERS: Final = frozenset({C, R, PART})
 LEASED: Final = frozenset(names.ENGINE_WORKERS)  # participants hold no lease
 EVERYONE: Final = frozenset(names.KINDS)
@@ -255,8 +258,8 @@ UNDECODABLE: Final = _counter(
 DISPATCH_PAUSED: Final = _gauge(
     "custody_dispatch_paused",
     "1 while effect dispatch (submits) is paused fleet-wide: scope global is the database"
-    " flag (custody dispatch pause), scope publisher a publisher started with"
-    " CUSTODY_DISPATCH_PAUSED",
+    " flag (custody dispatch pause), scope publisher or committer a process of that"
+    " worker (the engine's two senders of submits) started with CUSTODY_DISPATCH_PAUSED",
     ["owner", "scope"],
 )
 DISPATCH_PAUSED_INSTANCES: Final = _gauge(
@@ -277,9 +280,9 @@ BUILD_INFO: Final = _gauge(
 FAMILIES: Final[tuple[Family, ...]] = (
     Family(OUTBOX_PENDING, OUTBOX),
     Family(OUTBOX_OLDEST_AGE, OUTBOX),
-    Family(PUBLISHED, OUTBOX),
-    Family(PUBLISH_FAILURES, OUTBOX, {"kind": None}),
-    Family(CONFIRM_LATENCY, OUTBOX),
+    Family(PUBLISHED, SENDERS),
+    Family(PUBLISH_FAILURES, SENDERS, {"kind": None}),
+    Family(CONFIRM_LATENCY, SENDERS),
     Family(RECEIPTS, frozenset({R}), {"verdict": _verdicts}),
     Family(QUARANTINED, CONSUMERS, {"source": _sources, "reason": _reasons}),
     Family(REDELIVERIES, CONSUMERS),
@@ -294,7 +297,7 @@ FAMILIES: Final[tuple[Family, ...]] = (
     Family(ACTIVATION_FAILURES, frozenset({C, R}), {"reason": _reasons}),
     Family(SUCCESSOR_PENDING, frozenset({X})),
     Family(UNDECODABLE, CONSUMERS),
-    Family(DISPATCH_PAUSED, frozenset({X, P}), {"scope": _literal(PauseScope)}),
+    Family(DISPATCH_PAUSED, frozenset({X, P, C}), {"scope": _literal(PauseScope)}),
     Family(DISPATCH_PAUSED_INSTANCES, frozenset({X})),
     Family(DISPATCH_HELD, frozenset({X})),
     Family(BUILD_INFO, EVERYONE, {"version": None, "revision": None, "python": None}),
@@ -329,8 +332,8 @@ def register(
     registry: CollectorRegistry = REGISTRY,
 ) -> tuple[Family, ...]:
     """Export the families worker ``worker`` (a :mod:`workers.core.names` name) owns,
-    and its build info; returns them. ``dispatch_paused``: the publisher's
-    CUSTODY_DISPATCH_PAUSED; ``revision``: CUSTODY_GIT_REVISION (the image's build sets
+    and its build info; returns them. ``dispatch_paused``: the publisher's or the
+    committer's CUSTODY_DISPATCH_PAUSED; ``revision``: CUSTODY_GIT_REVISION (the image's build sets
     it; empty: a git checkout's HEAD, else ``unknown``)."""
     kind = names.kind_of(worker)
     families = owned(kind)
@@ -338,8 +341,8 @@ def register(
     built = revision or git_head(ROOT) or "unknown"
     BUILD_INFO.clear()  # one process, one build
     BUILD_INFO.labels(worker, version(), built, platform.python_version()).set(1)
-    if kind == P:
-        DISPATCH_PAUSED.labels(ENGINE_OWNER, "publisher").set(int(dispatch_paused))
+    if kind in (P, C):  # the engine's senders of submits
+        DISPATCH_PAUSED.labels(ENGINE_OWNER, kind).set(int(dispatch_paused))
     return families
 
 

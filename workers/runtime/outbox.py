@@ -10,11 +10,13 @@ does not commit (its publishes left: the same ids again, deduplicated by every
 consumer). No transaction waits on the broker. The same code serves the engine's outbox
 and a participant's.
 
-A participant's receipts skip the claim: its commit queues them already claimed by its
-own publisher (``p_outbox_insert``) and hands them over after the commit
+A participant's receipts and the committer's submits skip the claim: the commit queues
+them already claimed by a publisher of the same process (``p_outbox_insert``,
+``activation_insert``) and hands them over after the commit
 (:meth:`OutboxPublisher.hand`), so they leave without a claim transaction or a wake-up.
-Marked the same way; a participant that dies first leaves them claimed until the claim
-expires, and a stopping one gives the claims back.
+Marked the same way; a process that dies first leaves them claimed until the claim
+expires (then the publisher worker claims them), and a stopping one gives the claims
+back.
 """
 
 from __future__ import annotations
@@ -207,7 +209,11 @@ class OutboxPublisher:
                 del self.handed[: len(rows)]
         except errors.Fenced as exc:
             # not a lease loss of its own: the loss is counted once, by the lease's
-            # keeper taking it back (custody_lease_losses_total{worker})
+            # keeper taking it back (custody_lease_losses_total{worker}). Rows handed
+            # over are dropped as a claimed batch is: their claims may have expired and
+            # been taken since; the publisher's claim finds the ones still pending
+            if handed:
+                del self.handed[: len(rows)]
             logs.event(
                 "lease.fenced",
                 logging.WARNING,
@@ -283,15 +289,20 @@ async def loop(
     waker: supervisor.Waker,
     on_fenced: Any,
     worker: str,
+    *,
+    claims: bool = True,
 ) -> None:
     """Claim while there is work; otherwise wait for a NOTIFY, a kick, rows handed over
     or the poll interval. Rows handed over are sent without a claim; the table is
     claimed from after a NOTIFY, a kick or the poll interval (rows that only a claim
     finds: another process's, retried ones, expired claims). Rows still handed over
     when it ends are the handing process's to give back (:meth:`release_handed`), once
-    nothing can hand more: a participant's ``serve``."""
+    nothing can hand more: a participant's ``serve``, the committer's ``main``.
+
+    ``claims=False``: only the rows handed over, never a claim of the table nor the
+    outbox's gauges (the committer's sender: the publisher worker claims and samples)."""
     last_sample = 0.0
-    claim = True
+    claim = claims
     while not stop.requested:
         n = await supervisor.redo(
             functools.partial(pub.run_once, claim=claim),
@@ -300,10 +311,10 @@ async def loop(
             on_fenced=on_fenced,
             name="outbox.publish",
         )
-        if time.monotonic() - last_sample > 5:
+        if claims and time.monotonic() - last_sample > 5:
             await supervisor.redo(pub.sample, worker=worker, stop=stop, on_fenced=on_fenced)
             last_sample = time.monotonic()
         if pub.handed:
             claim = False  # handed over while this batch was out: those first
         elif not (claim and n >= pub.batch_size):
-            claim = await waker.wait(also=pub.ready)
+            claim = await waker.wait(also=pub.ready) and claims

@@ -1,0 +1,149 @@
+"""The committer publishes the submits it commits (workers/engine/committer.py): each is
+queued already claimed by the sender in its process, which publishes it right after the
+commit and marks it once the broker confirmed it. Real Postgres, real RabbitMQ.
+
+Issue 14 (light load: "a few fsync'd commits and two broker hops, not a poll
+interval"): no NOTIFY, no wake-up of another process and no claim transaction stand
+between a transition and its dispatch any more. What must not move:
+
+- "Workflow transition | Node state, history, operation/attempt and dispatch intent
+  commit together": the submit is published only after that commit;
+- "Broker confirmation | The configured broker accepted the publication under its
+  transport policy": the row is marked, and its operation dispatched, only after the
+  confirm, under the sender's claim;
+- "Before restoring a database, disable effect dispatch": while dispatch is paused the
+  committer sends nothing; its submits wait unclaimed for the publisher's claim, which
+  holds them until dispatch resumes;
+- nothing is lost when the committer dies between its commit and its send, its publish
+  and its confirm, or its confirm and its mark: the claim expires and the publisher
+  worker sends the submit, under the same message id (tests/acceptance/
+  test_commit_boundaries.py, a real process SIGKILLed at each point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import psycopg
+
+from tests.conftest import Env, wait_until
+from tests.harness import InProcessFleet, drain, order, publish_starts
+from workers.io import broker
+
+QUEUE = broker.command_queue("inventory.v1")  # the first node's (reserve) route
+
+
+@contextlib.asynccontextmanager
+async def _fleet(env: Env) -> AsyncIterator[InProcessFleet]:
+    fleet = InProcessFleet(env)
+    try:
+        yield fleet
+    finally:
+        await fleet.stop_all()
+
+
+async def _outbox(env: Env) -> list[tuple[object, ...]]:
+    return await env.sql(
+        "SELECT id::text, kind, status, claimed_by, publish_attempts FROM custody.outbox"
+        " ORDER BY created_at"
+    )
+
+
+async def _dispatched(env: Env, n: int) -> bool:
+    return (
+        await env.scalar("SELECT count(*) FROM custody.operations WHERE status = 'dispatched'") == n
+    )
+
+
+async def test_a_committed_submit_leaves_from_the_committer_and_is_marked_after_its_confirm(
+    env: Env,
+) -> None:
+    """The dispatch intent commits with the transition, then the committer's own sender
+    publishes it (no publisher worker runs here) and marks it only after the broker's
+    confirm: the row published under one attempt, its operation dispatched, one history
+    row for the dispatch; the participant's queue holds the command once, under the
+    row's id. The insert of a row claimed this way wakes no publisher (no NOTIFY)."""
+    async with (
+        await psycopg.AsyncConnection.connect(env.settings.database_url, autocommit=True) as ear,
+        _fleet(env) as fleet,
+    ):
+        await ear.execute("LISTEN custody_outbox")
+        fleet.start("committer")
+        await publish_starts(env.settings, [order(i) for i in range(3)])
+        await wait_until(lambda: _dispatched(env, 3), timeout=20, what="3 operations dispatched")
+        fleet.check_alive()
+
+        rows = await _outbox(env)
+        assert [(k, s, c, a) for _, k, s, c, a in rows] == [("submit", "published", None, 1)] * 3
+        assert (
+            await env.scalar(
+                "SELECT count(*) FROM custody.history WHERE event = 'operation.dispatched'"
+            )
+            == 3
+        )
+        delivered = await drain(env.settings, QUEUE)
+        assert sorted(str(d.message_id) for d in delivered) == sorted(str(r[0]) for r in rows)
+        notified = [n async for n in _pending_notifies(ear)]
+        assert notified == [], "a submit the committer sends itself woke the publisher"
+
+
+async def _pending_notifies(conn: psycopg.AsyncConnection[object]) -> AsyncIterator[str]:
+    """The notifications already delivered to ``conn`` (none waited for)."""
+    await conn.execute("SELECT 1")  # a round trip: what was sent before it has arrived
+    async for n in conn.notifies(timeout=0.2):
+        yield n.channel
+
+
+async def test_while_dispatch_is_paused_the_committer_sends_nothing_and_the_publisher_holds_it(
+    env: Env,
+) -> None:
+    """Before restoring a database, disable effect dispatch: with dispatch paused, the
+    committer commits the transition but queues its submit unclaimed and sends nothing;
+    the publisher's claim holds it too. Once dispatch resumes, the publisher sends it,
+    once, and the operation is dispatched."""
+    await env.sql("UPDATE custody.control SET dispatch_paused = true")
+    async with _fleet(env) as fleet:
+        fleet.start("committer")
+        fleet.start("publisher")
+        await publish_starts(env.settings, [order(0)])
+
+        async def queued() -> bool:
+            return len(await _outbox(env)) == 1
+
+        await wait_until(queued, timeout=20, what="the submit queued")
+        [(_, kind, status, claimed_by, attempts)] = await _outbox(env)
+        assert (kind, status, claimed_by, attempts) == ("submit", "pending", None, 0)
+        assert await drain(env.settings, QUEUE, timeout=1.0) == []
+        assert await env.scalar("SELECT status::text FROM custody.operations") == "pending"
+
+        await env.sql("UPDATE custody.control SET dispatch_paused = false")
+        await wait_until(lambda: _dispatched(env, 1), timeout=20, what="the operation dispatched")
+        fleet.check_alive()
+        [row] = await _outbox(env)
+        assert row[2:] == ("published", None, 1)
+        assert [d.message_id for d in await drain(env.settings, QUEUE)] == [row[0]]
+
+
+async def test_a_committer_started_with_the_switch_sends_nothing_whatever_the_database_says(
+    env: Env,
+) -> None:
+    """The restore runbook: "Before restoring a database, disable effect dispatch", in a
+    way the restore cannot undo: the start-up switch (``CUSTODY_DISPATCH_PAUSED``),
+    which the committer obeys as the publisher does. With the database flag clear (as
+    a restored database may have it), a committer started with the switch commits the
+    transition and sends nothing: its submit waits unclaimed."""
+    held = dataclasses.replace(env.settings, dispatch_paused=True)
+    async with _fleet(env) as fleet:
+        fleet.start("committer", held)
+        await publish_starts(env.settings, [order(0)])
+
+        async def queued() -> bool:
+            return len(await _outbox(env)) == 1
+
+        await wait_until(queued, timeout=20, what="the submit queued")
+        fleet.check_alive()
+        [(_, kind, status, claimed_by, attempts)] = await _outbox(env)
+        assert (kind, status, claimed_by, attempts) == ("submit", "pending", None, 0)
+        assert await drain(env.settings, QUEUE, timeout=1.0) == []
