@@ -13,13 +13,14 @@ CHARGE_LIMIT_CENTS: Final = 100_000
 
 async def reserve(call: Call) -> Mapping[str, Any]:
     sku, quantity = call.input["sku"], call.input["quantity"]
-    rows = await call.tx.business(
-        "UPDATE stock SET available = available - %s WHERE sku = %s AND available >= %s"
-        " RETURNING available",
-        (quantity, sku, quantity),
-    )
-    if not rows:
+    # a read (locked until the commit), so that refusing writes nothing: the runtime
+    # then has nothing to undo (Tx.read); the writes leave without waiting
+    rows = await call.tx.read("SELECT available FROM stock WHERE sku = %s FOR UPDATE", (sku,))
+    if not rows or rows[0]["available"] < quantity:
         raise BusinessFailure("out_of_stock", f"not enough {sku} for {quantity}")
+    await call.tx.business(
+        "UPDATE stock SET available = available - %s WHERE sku = %s", (quantity, sku)
+    )
     await call.tx.business(
         "INSERT INTO reservations (operation_id, order_id, sku, quantity) VALUES (%s, %s, %s, %s)",
         (call.operation_id, call.input["order_id"], sku, quantity),

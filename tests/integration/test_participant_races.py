@@ -855,6 +855,59 @@ async def test_a_handler_that_fails_after_it_wrote_leaves_no_effect_without_a_sa
     assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2
 
 
+async def test_a_handler_that_refuses_after_only_reading_is_not_redone_and_keeps_no_savepoint(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": a handler that fails after it only read (``Tx.read``; the sample
+    reserve reads its stock row, locked, and refuses when it is short) leaves no effect,
+    and has nothing to undo: its batch commits in one run, without a savepoint, and the
+    operation's next runs take none either; the others of the batch keep their effects,
+    each once. A read that is not a SELECT is refused before it is sent: its handler
+    fails before it wrote, alone (a bug: deferred, to run again later, not an
+    outcome)."""
+    reserves = [submit() for _ in range(6)]
+    short = submit(input={"order_id": "o-2", "sku": "sku-rare", "quantity": 1000})
+    misread = submit()
+    cmds = [*reserves[:3], short, misread, *reserves[3:]]
+
+    async def reserve(call: Call) -> Mapping[str, Any]:
+        if call.request_id == misread.request_id:
+            await call.tx.read("UPDATE stock SET available = 0")  # type: ignore[arg-type]
+        return await samples.reserve(call)
+
+    savepoints = _Savepoints(monkeypatch)
+    before = await env.scalar(STOCK, participant=True)
+    rare = f"SELECT available FROM {SCHEMA}.stock WHERE sku = 'sku-rare'"
+    rare_before = await env.scalar(rare, participant=True)
+    handlers = {"inventory.reserve": reserve}
+    async with _inline(env, handlers, set(handlers)) as (participant, transactions):
+        assert await _accept(env, participant, cmds) == ["accepted"] * len(cmds)
+        assert (transactions.n, savepoints.n) == (1, 0), "one run, no savepoint"
+
+        more = [submit(), submit(input={"order_id": "o-3", "sku": "sku-rare", "quantity": 9})]
+        transactions.n = 0
+        assert await _accept(env, participant, more) == ["accepted"] * len(more)
+        assert (transactions.n, savepoints.n) == (1, 0), "the next runs are not careful"
+
+    statuses = {c.request_id: await _status(env, c.request_id) for c in [*cmds, *more]}
+    assert statuses.pop(short.request_id) == "failed"
+    assert statuses.pop(misread.request_id) == "accepted"  # deferred: a handler bug
+    assert statuses.pop(more[1].request_id) == "failed"
+    assert set(statuses.values()) == {"succeeded"}
+    assert await _effects(env, "reservations", [*cmds, *more]) == sorted(
+        c.operation_id for c in [*reserves, more[0]]
+    ), "each effect once; none of the handlers that failed"
+    assert await env.scalar(STOCK, participant=True) == before - 2 * (len(reserves) + 1)
+    assert await env.scalar(rare, participant=True) == rare_before
+    receipts = {
+        r.request_id: r
+        for r in await _outbox(env)
+        if r.request_id in {short.request_id, more[1].request_id} and r.status == "failed"
+    }
+    assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2
+
+
 async def _effects(env: Env, table: str, cmds: Sequence[Any]) -> list[str]:
     rows = await env.sql(
         f"SELECT operation_id FROM {SCHEMA}.{table} WHERE operation_id = ANY(%s)",

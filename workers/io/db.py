@@ -166,9 +166,11 @@ class Tx:
         self._unanswered = False  # statements sent whose answers were not read yet
         self._savepoints = 0  # savepoints open (nesting depth)
         self._unreleased: int | None = None  # the depth of a finished, unreleased one
-        # statements sent in it so far (savepoint commands included): a participant
-        # tells by it whether a handler that failed wrote anything
+        # statements sent in it so far (savepoint commands included), and how many of
+        # them were declared reads (read): a participant tells by them whether a
+        # handler that failed wrote anything
         self.statements = 0
+        self.reads = 0
         # while on, a business write that returns no rows is sent without waiting for
         # its answer (see business); ``deferred`` counts those sent so far
         self.defer_writes = False
@@ -287,6 +289,22 @@ class Tx:
         await self._answers()
         return await cur.fetchall() if cur.description else []
 
+    async def read(self, statement: LiteralString, params: Params = None) -> list[Row]:
+        """A participant's own statement that changes nothing, inside this transaction:
+        a ``SELECT`` (``FOR UPDATE`` or ``FOR SHARE`` to lock what it read until the
+        commit), its rows waited for. A handler that fails after only reads had nothing
+        to undo: its unit is not redone and its operation's next runs need no
+        savepoint (``workers.participant.service``). By contract it writes nothing,
+        not even through a function it calls: such a statement goes through
+        :meth:`business`. Anything but a ``SELECT`` is refused before it is sent."""
+        if not _SELECT.match(statement):
+            raise ValueError(f"Tx.read takes a SELECT, not: {statement[:60]!r}")
+        self.statements += 1
+        self.reads += 1
+        cur = await self._conn.execute(statement, params)
+        await self._answers()
+        return await cur.fetchall()
+
     async def settle(self) -> None:
         """Wait for the answers of everything sent: an error of a statement sent
         without waiting is raised here."""
@@ -390,6 +408,7 @@ async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 _PLAIN_WRITE: Final = re.compile(r"\s*(INSERT|UPDATE|DELETE)\s", re.IGNORECASE)
+_SELECT: Final = re.compile(r"\s*SELECT\s", re.IGNORECASE)  # Tx.read's (not WITH: a CTE may write)
 _RETURNING: Final = re.compile(r"\bRETURNING\b", re.IGNORECASE)
 
 

@@ -888,7 +888,7 @@ class Participant:
             # what earlier handlers sent without waiting is answered before this one
             # starts: an error of theirs is never taken for one of this handler's
             await _settle(tx)
-        written = tx.statements
+        written = tx.statements - tx.reads  # what it may have written (Tx.read: nothing)
         # the handler's writes that return nothing are sent without waiting
         # (db.Tx.business): without a savepoint they are answered with the batch's, in a
         # savepoint before it ends (an error there is this handler's, rolled back alone)
@@ -905,10 +905,11 @@ class Participant:
                     result = await handler(call)
                     faults.crash_point("mid_effect")
         except Exception as exc:  # a business failure, or a handler bug: rolled back
-            if not careful and tx.statements != written:
-                # it wrote (or its statement failed, which aborts the transaction); a
+            if not careful and (tx.statements - tx.reads != written or db.statement_error(exc)):
+                # it wrote (or a statement failed, which aborts the transaction); a
                 # statement's error may be that of a write sent earlier without waiting
-                # (another handler's): then whose is not known
+                # (another handler's): then whose is not known. One that only read
+                # (Tx.read) and failed had nothing to undo: its failure is its receipt
                 unknown = tx.deferred > 0 and db.statement_error(exc)
                 raise _Redo(None if unknown else operation, row["request_id"], exc) from exc
             if self._careful_unit and db.statement_error(exc):
