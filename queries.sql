@@ -220,7 +220,10 @@ RETURNING i.id;
 -- instance; queries and cancels still flow (the restore runbook reconciles while paused).
 -- A submit is dispatched only for its operation's current attempt, while that operation
 -- is in flight and its instance running: a suspended instance's submit is held, a
--- settled or cancelling operation's is never sent (submits_retire retires it).
+-- settled or cancelling operation's is never sent (submits_retire retires it). A submit
+-- the committer queued claimed by its own sender (activation_insert), checked the same
+-- way at its commit, leaves from there within half its claim's life (or not at all:
+-- then this claim takes it once the claim expired, with these checks).
 UPDATE outbox o
    SET claimed_by = %(holder)s,
        claim_expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
@@ -259,7 +262,8 @@ UPDATE outbox
  WHERE id = %(id)s AND claimed_by = %(holder)s AND status = 'pending';
 
 -- name: outbox_unclaim
--- Claims given back unsent (a stopping participant's rows handed to its publisher).
+-- Claims given back unsent (a stopping participant's or committer's rows, handed to the
+-- publisher in its process).
 UPDATE outbox SET claimed_by = NULL, claim_expires_at = NULL
  WHERE id = ANY(%(ids)s::uuid[]) AND claimed_by = %(holder)s AND status = 'pending';
 

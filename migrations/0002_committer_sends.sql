@@ -17,9 +17,47 @@ DROP TRIGGER IF EXISTS outbox_notify ON custody.outbox;
 CREATE TRIGGER outbox_notify AFTER INSERT ON custody.outbox REFERENCING NEW TABLE AS inserted
   FOR EACH STATEMENT EXECUTE FUNCTION custody.notify_outbox();
 
--- The committer's sender holds the broker-confirmation boundary for what it sends, as
--- the publisher does: the committer's role is a member of custody_publisher (the confirm
--- mark, outbox_mark_dispatched, moves an operation pending -> dispatched, which the
--- operation status guard allows only to that role). It still cannot write a command's
--- body, an outcome, or any column neither boundary owns.
-GRANT custody_publisher TO custody_committer;
+-- The committer's sender marks what it sent as the publisher does (outbox_mark_dispatched,
+-- outbox_release, outbox_unclaim): the columns those read and write, never a command's
+-- body; its confirm mark moves an operation pending -> dispatched.
+GRANT SELECT (id, kind, operation_id, status, claimed_by, publish_attempts)
+  ON custody.outbox TO custody_committer;
+GRANT UPDATE (status, claimed_by, claim_expires_at, next_attempt_at, last_error, published_at)
+  ON custody.outbox TO custody_committer;
+GRANT UPDATE (status, updated_at, deadline_at) ON custody.operations TO custody_committer;
+
+-- Only a broker confirm dispatches: the publisher's mark, or the committer's sender's. The
+-- committer moves an operation to nothing else (a cancel, a deadline, a receipt are other
+-- boundaries'; its operator calls run as their functions' owners).
+CREATE OR REPLACE FUNCTION custody.guard_operation_status() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.status IS NOT DISTINCT FROM OLD.status THEN
+    RETURN NEW;
+  END IF;
+  IF NOT EXISTS (
+       SELECT 1 FROM custody.operation_transitions
+        WHERE from_status = OLD.status AND to_status = NEW.status) THEN
+    RAISE EXCEPTION 'illegal operation transition % -> % (operation %)',
+      OLD.status, NEW.status, OLD.id USING ERRCODE = 'CU002';
+  END IF;
+  IF NEW.status IN ('accepted', 'succeeded', 'failed', 'retry_waiting')
+     AND NOT pg_has_role(current_user, 'custody_receipts', 'MEMBER') THEN
+    RAISE EXCEPTION 'only a validated receipt sets % (operation %, attempted by %)',
+      NEW.status, OLD.id, current_user USING ERRCODE = 'CU003';
+  END IF;
+  IF NEW.status = 'dispatched' AND NOT pg_has_role(current_user, 'custody_publisher', 'MEMBER')
+     AND NOT pg_has_role(current_user, 'custody_committer', 'MEMBER')
+  THEN
+    RAISE EXCEPTION 'only a broker confirm dispatches (operation %, attempted by %)',
+      OLD.id, current_user USING ERRCODE = 'CU003';
+  END IF;
+  IF NEW.status <> 'dispatched' AND pg_has_role(current_user, 'custody_committer', 'MEMBER')
+     AND NOT pg_has_role(current_user, 'custody_publisher', 'MEMBER')
+     AND NOT pg_has_role(current_user, 'custody_receipts', 'MEMBER')
+  THEN
+    RAISE EXCEPTION 'the committer only dispatches (operation % -> %, attempted by %)',
+      OLD.id, NEW.status, current_user USING ERRCODE = 'CU003';
+  END IF;
+  RETURN NEW;
+END $$;

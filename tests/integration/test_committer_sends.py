@@ -22,15 +22,19 @@ between a transition and its dispatch any more. What must not move:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import cast
 
 import psycopg
 
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, drain, order, publish_starts
+from tests.harness import InProcessFleet, drain, order, publish_starts, role_database
 from workers.io import broker
+from workers.runtime.outbox import OutboxPublisher
 
 QUEUE = broker.command_queue("inventory.v1")  # the first node's (reserve) route
 
@@ -147,3 +151,74 @@ async def test_a_committer_started_with_the_switch_sends_nothing_whatever_the_da
         [(_, kind, status, claimed_by, attempts)] = await _outbox(env)
         assert (kind, status, claimed_by, attempts) == ("submit", "pending", None, 0)
         assert await drain(env.settings, QUEUE, timeout=1.0) == []
+
+
+class _Recorder:
+    """A broker publisher that confirms every message at once and keeps their ids."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def publish_many(self, outgoing: Sequence[broker.Outgoing]) -> list[broker.Outcome]:
+        self.sent.extend(o.message_id for o in outgoing)
+        return [broker.Outcome(o.message_id, True) for o in outgoing]
+
+
+async def test_a_submit_handed_over_half_a_claim_ago_is_left_to_the_publishers_claim(
+    env: Env,
+) -> None:
+    """A send must start well inside its claim: once the claim expired, the row may have
+    been retired (its operation settled or cancelling), or be held by a pause or a
+    suspension, which only a claim checks. A row handed to the sender more than half
+    its claim's life ago (the broker stalled, the process was paused) is not published
+    from there: it stays pending and claimed until its claim expires, then the
+    publisher claims it. A fresh one is sent and marked."""
+    holder, ttl = "committer-test", 0.4
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    for i in ids:
+        await env.sql(
+            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, claimed_by,"
+            " claim_expires_at, publish_attempts)"
+            " VALUES (%s, 'query', %s, 'inventory.v1', '{}', %s,"
+            " clock_timestamp() + interval '1 minute', 1)",
+            (i, broker.EXCHANGE_COMMANDS, holder),
+        )
+    rows = [
+        {
+            "id": i,
+            "exchange": broker.EXCHANGE_COMMANDS,
+            "routing_key": "inventory.v1",
+            "body": b"{}",
+            "headers": {},
+            "publish_attempts": 1,
+        }
+        for i in ids
+    ]
+    recorder = _Recorder()
+    async with role_database(env.settings.database_url, "custody_committer") as database:
+        sender = OutboxPublisher(
+            owner="engine",
+            database=database,
+            lease=None,
+            publisher=cast(broker.Publisher, recorder),
+            batch_size=10,
+            claim_ttl_s=ttl,
+            engine=True,
+            worker="committer",
+        )
+        sender.holder = holder
+        stale, fresh = rows
+        sender.hand([stale])
+        await asyncio.sleep(ttl / 2 + 0.05)  # the condition itself: half the claim's life
+        sender.hand([fresh])
+        assert await sender.run_once(claim=False) == 1
+        assert await sender.run_once(claim=False) == 0
+        assert sender.handed == []
+    assert recorder.sent == [fresh["id"]]
+    left = {
+        str(r[0]): r[1:]
+        for r in await env.sql(
+            "SELECT id, status, claimed_by FROM custody.outbox WHERE id = ANY(%s)", (ids,)
+        )
+    }
+    assert left == {stale["id"]: ("pending", holder), fresh["id"]: ("published", None)}

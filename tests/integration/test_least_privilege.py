@@ -40,6 +40,11 @@ REFUSED = [
     ("custody_receipts", "UPDATE custody.instances SET routes = '{}'"),
     ("custody_committer", "UPDATE custody.operations SET result = '{}'"),
     ("custody_committer", "UPDATE custody.outbox SET body = ''"),
+    # its sender marks what it sent; it reads no command's body, moves no row of the
+    # outbox elsewhere, and retires nothing (the publisher's sample does)
+    ("custody_committer", "SELECT body FROM custody.outbox"),
+    ("custody_committer", "UPDATE custody.outbox SET routing_key = 'payments.v1'"),
+    ("custody_committer", "SELECT custody.t_retire_submits('committer')"),
     # the reconciler moves statuses only (deadlines, query timeouts, suspending an
     # instance): it cannot forge an outcome's evidence nor re-point an operation
     ("custody_reconciler", "UPDATE custody.operations SET result = '{}'"),
@@ -264,16 +269,44 @@ def test_every_status_change_outside_the_lifecycle_table_is_refused_even_to_the_
             assert refused.value.sqlstate == "CU002", (before, after, refused.value)
 
 
-def test_a_status_change_the_lifecycle_allows_still_goes_through(env: Env) -> None:
-    """The guard refuses only what the lifecycle forbids: the publisher's confirm mark
-    (pending -> dispatched) is a legal change under its own role."""
+@pytest.mark.parametrize("role", ["custody_publisher", "custody_committer"])
+def test_a_status_change_the_lifecycle_allows_still_goes_through(env: Env, role: str) -> None:
+    """The guard refuses only what the lifecycle forbids: the confirm mark (pending ->
+    dispatched) is a legal change under the publisher's role and under the committer's,
+    whose sender marks the submits it sends."""
     oid = _row(env, "operations", "pending")
-    with psycopg.connect(db.with_user(env.settings.database_url, "custody_publisher")) as conn:
+    with psycopg.connect(db.with_user(env.settings.database_url, role)) as conn:
         conn.execute("UPDATE custody.operations SET status = 'dispatched' WHERE id = %s", (oid,))
         conn.commit()
     with psycopg.connect(env.settings.database_url) as conn:
         row = conn.execute("SELECT status::text FROM custody.operations WHERE id = %s", (oid,))
         assert row.fetchone() == ("dispatched",)
+
+
+NOT_A_DISPATCH = [
+    ("pending", "cancelling"),
+    ("retry_waiting", "cancelled"),
+    ("outcome_unknown", "reconcile_pending"),
+    ("dispatched", "outcome_unknown"),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), NOT_A_DISPATCH, ids=[f"{b}->{a}" for b, a in NOT_A_DISPATCH]
+)
+def test_the_committer_moves_an_operation_only_to_dispatched(
+    shared: Env, before: str, after: str
+) -> None:
+    """Broker confirmation is the only operation status the committer's role writes
+    (its sender's confirm mark): a change the lifecycle allows but another boundary
+    owns (a cancel, a deadline, a restore) is refused to it by the guard (CU003)."""
+    oid = _row(shared, "operations", before)
+    with (
+        psycopg.connect(db.with_user(shared.settings.database_url, "custody_committer")) as conn,
+        pytest.raises(psycopg.Error) as refused,
+    ):
+        conn.execute("UPDATE custody.operations SET status = %s WHERE id = %s", (after, oid))
+    assert refused.value.sqlstate == "CU003", refused.value
 
 
 ASSERTED = [

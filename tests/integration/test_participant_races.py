@@ -908,6 +908,44 @@ async def test_a_handler_that_refuses_after_only_reading_is_not_redone_and_keeps
     assert {r.effect for r in receipts.values()} == {"none"} and len(receipts) == 2
 
 
+async def test_a_handler_whose_read_failed_is_redone_even_when_it_hides_the_error(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails aborts the transaction: it counts as a write, so a handler that
+    catches its error and refuses is redone as one that wrote (its batch runs again with
+    that operation's handlers in savepoints, for its next runs too), never taken for a
+    refusal with nothing to undo; its failure is its receipt and the others of the
+    batch keep their effects."""
+    reserves = [submit() for _ in range(4)]
+    hiding = reserves[1]
+
+    async def reserve(call: Call) -> Mapping[str, Any]:
+        if call.request_id == hiding.request_id:
+            try:
+                await call.tx.read("SELECT 1 / 0")
+            except psycopg.Error as exc:
+                raise service.BusinessFailure("bad_read", str(exc)) from exc
+        return await samples.reserve(call)
+
+    savepoints = _Savepoints(monkeypatch)
+    handlers = {"inventory.reserve": reserve}
+    async with _inline(env, handlers, set(handlers)) as (participant, transactions):
+        assert await _accept(env, participant, reserves) == ["accepted"] * len(reserves)
+        assert transactions.n == 2, "the first run rolled back whole, the second committed"
+        # redone as a handler of its operation that wrote: the operation's next runs
+        # keep their savepoints (not a unit whose failing write was nobody's)
+        more = [submit(), submit()]
+        savepoints.n = transactions.n = 0
+        assert await _accept(env, participant, more) == ["accepted"] * len(more)
+        assert (transactions.n, savepoints.n) == (1, len(more))
+    statuses = {c.request_id: await _status(env, c.request_id) for c in reserves}
+    assert statuses.pop(hiding.request_id) == "failed"
+    assert set(statuses.values()) == {"succeeded"}
+    assert await _effects(env, "reservations", reserves) == sorted(
+        c.operation_id for c in reserves if c is not hiding
+    )
+
+
 async def _effects(env: Env, table: str, cmds: Sequence[Any]) -> list[str]:
     rows = await env.sql(
         f"SELECT operation_id FROM {SCHEMA}.{table} WHERE operation_id = ANY(%s)",

@@ -9,9 +9,11 @@ Its submits leave from this process: the commit queues each one already claimed 
 process's own outbox publisher (``workers.runtime.outbox``, the *broker confirmation*
 boundary, in its own transactions), which publishes it right after the commit and marks
 it once confirmed; no NOTIFY, wake-up or claim transaction stands between a transition
-and its dispatch. A submit its sender never marks (the process died, the broker
-refused it) is the publisher worker's once its claim expires, as is every command the
-committer does not queue (retries, queries, cancels, a submit held by a pause).
+and its dispatch. A submit its sender does not mark is the publisher worker's: once its
+claim expires (the process died, or was paused, or its sender left it after half the
+claim's life), or at once with a backoff (the broker nacked or returned it: released,
+as the publisher releases its own), as is every command the committer does not queue
+claimed (retries, queries, cancels, a submit held by a pause).
 """
 
 from __future__ import annotations
@@ -481,6 +483,7 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
             claim_ttl_s=settings.lease_ttl_s,
             engine=True,
             hold_submits=settings.dispatch_paused,
+            worker=ACTOR,
         )
 
         async def starts() -> None:
@@ -528,5 +531,6 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
         finally:
             # a unit that was committing when the stop came hands its submits over after
             # the sender's loop may have ended: their claims are given back here, once
-            # nothing can hand more, so that the publisher claims them at once
+            # nothing can hand more, so that the publisher claims them at its next poll
+            # instead of after the claims' expiry
             await committer.sender.release_handed()

@@ -296,14 +296,18 @@ class Tx:
         to undo: its unit is not redone and its operation's next runs need no
         savepoint (``workers.participant.service``). By contract it writes nothing,
         not even through a function it calls: such a statement goes through
-        :meth:`business`. Anything but a ``SELECT`` is refused before it is sent."""
-        if not _SELECT.match(statement):
-            raise ValueError(f"Tx.read takes a SELECT, not: {statement[:60]!r}")
+        :meth:`business`. A statement that does not begin with ``SELECT``, or says
+        ``INTO`` (a ``SELECT … INTO`` creates a table), is refused before it is sent;
+        that check is a guard, not a proof. A read that fails counts as a write (its
+        error aborted the transaction): the unit is redone."""
+        if not _SELECT.match(statement) or _INTO.search(statement):
+            raise ValueError(f"Tx.read takes a SELECT that writes nothing: {statement[:60]!r}")
         self.statements += 1
-        self.reads += 1
         cur = await self._conn.execute(statement, params)
         await self._answers()
-        return await cur.fetchall()
+        rows = await cur.fetchall()
+        self.reads += 1  # answered: it changed nothing
+        return rows
 
     async def settle(self) -> None:
         """Wait for the answers of everything sent: an error of a statement sent
@@ -408,7 +412,9 @@ async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 _PLAIN_WRITE: Final = re.compile(r"\s*(INSERT|UPDATE|DELETE)\s", re.IGNORECASE)
-_SELECT: Final = re.compile(r"\s*SELECT\s", re.IGNORECASE)  # Tx.read's (not WITH: a CTE may write)
+# Tx.read's guard (not WITH: a CTE may write; not SELECT ... INTO: it creates a table)
+_SELECT: Final = re.compile(r"\s*SELECT\s", re.IGNORECASE)
+_INTO: Final = re.compile(r"\bINTO\b", re.IGNORECASE)
 _RETURNING: Final = re.compile(r"\bRETURNING\b", re.IGNORECASE)
 
 

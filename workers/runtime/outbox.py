@@ -60,6 +60,7 @@ class OutboxPublisher:
         engine: bool,
         hold_submits: bool = False,
         before_sample: Callable[[db.Tx], Awaitable[object]] | None = None,
+        worker: str = ACTOR,
     ) -> None:
         self.hold_submits = hold_submits
         self.before_sample = before_sample
@@ -71,27 +72,65 @@ class OutboxPublisher:
         self.claim_ttl_s = claim_ttl_s
         self.engine = engine
         self.holder = lease.holder if lease else f"{owner}-{id(self):x}"
+        # the worker whose logs say what it did (the committer runs an engine sender)
+        self.worker = worker
         # rows its own process committed already claimed by this holder
-        # (``p_outbox_insert``), to send without a claim transaction: see hand()
+        # (``p_outbox_insert``, ``activation_insert``), to send without a claim
+        # transaction, each with the moment it was handed over: see hand()
         self.handed: list[dict[str, Any]] = []
+        self._handed_at: dict[str, float] = {}
         self.ready = asyncio.Event()
 
     def hand(self, rows: Sequence[dict[str, Any]]) -> None:
         """Rows committed by this process, already claimed by ``self.holder``, to send
         next (called after their commit). A row not sent before a crash waits for its
-        claim to expire, then any publisher claims it."""
+        claim to expire, then any publisher claims it. A row still here once half its
+        claim's life has passed (the broker stalled, the process was paused) is not
+        sent from here any more (:meth:`_drop_stale`)."""
         if rows:
+            now = time.monotonic()
             self.handed.extend(rows)
+            self._handed_at.update((str(r["id"]), now) for r in rows)
             self.ready.set()
+
+    def _drop_stale(self) -> None:
+        """Leave the rows handed over more than half a claim's life ago to the claim of
+        the table: a send must start well inside its claim, never after it expired
+        (then the row may be retired, or held by a pause or a suspension since, which
+        only a claim checks). Their claims expire; a publisher claims what is still
+        to be sent, with every check of its claim."""
+        limit = time.monotonic() - self.claim_ttl_s / 2
+        stale = [r for r in self.handed if self._handed_at.get(str(r["id"]), 0.0) < limit]
+        if not stale:
+            return
+        gone = {str(r["id"]) for r in stale}
+        self.handed = [r for r in self.handed if str(r["id"]) not in gone]
+        for i in gone:
+            self._handed_at.pop(i, None)
+        logs.event(
+            "outbox.handed_left_to_claim",
+            logging.WARNING,
+            worker=self.worker,
+            owner=self.owner,
+            rows=len(stale),
+        )
+
+    def _sent(self, n: int) -> None:
+        """The first ``n`` rows handed over are done with (marked, or dropped)."""
+        for r in self.handed[:n]:
+            self._handed_at.pop(str(r["id"]), None)
+        del self.handed[:n]
 
     async def release_handed(self) -> None:
         """At shutdown: give the claims of rows handed over but not sent back, so that
-        a replica (or the next start) sends them at once, not after the claim expiry.
+        a publisher claims them at its next poll (or the next start sends them), not
+        after the claim expiry.
         Bounded; the claim's expiry covers a database that cannot be reached."""
         if not self.handed:
             return
         ids = [str(r["id"]) for r in self.handed]
         self.handed = []
+        self._handed_at.clear()
         try:
             async with asyncio.timeout(db.RELEASE_TIMEOUT_S):
                 async with self.db.transaction() as tx:
@@ -178,6 +217,7 @@ class OutboxPublisher:
         epoch = self.lease.epoch if self.lease else None
         # handed rows leave the list once marked (sent, or released for a retry): a
         # unit redone after a failure sends them again, under the same message ids
+        self._drop_stale()
         rows = self.handed[: self.batch_size]
         handed = bool(rows)
         sending: _Sending | None = None
@@ -206,18 +246,18 @@ class OutboxPublisher:
         try:
             await self.mark(rows, outcomes, epoch)
             if handed:
-                del self.handed[: len(rows)]
+                self._sent(len(rows))
         except errors.Fenced as exc:
             # not a lease loss of its own: the loss is counted once, by the lease's
             # keeper taking it back (custody_lease_losses_total{worker}). Rows handed
             # over are dropped as a claimed batch is: their claims may have expired and
             # been taken since; the publisher's claim finds the ones still pending
             if handed:
-                del self.handed[: len(rows)]
+                self._sent(len(rows))
             logs.event(
                 "lease.fenced",
                 logging.WARNING,
-                worker=ACTOR,
+                worker=self.worker,
                 owner=self.owner,
                 epoch=epoch,
                 dropped=len(rows),
