@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import cast
@@ -32,7 +33,14 @@ from typing import cast
 import psycopg
 
 from tests.conftest import Env, wait_until
-from tests.harness import InProcessFleet, drain, order, publish_starts, role_database
+from tests.harness import (
+    InProcessFleet,
+    client,
+    drain,
+    order,
+    publish_starts,
+    role_database,
+)
 from workers.io import broker
 from workers.runtime.outbox import OutboxPublisher
 
@@ -222,3 +230,38 @@ async def test_a_submit_handed_over_half_a_claim_ago_is_left_to_the_publishers_c
         )
     }
     assert left == {stale["id"]: ("pending", holder), fresh["id"]: ("published", None)}
+
+
+async def test_a_publish_whose_claim_got_too_old_waiting_for_the_window_is_not_sent(
+    env: Env,
+) -> None:
+    """A batch's publishes wait for room in the confirm window; a broker slow to confirm
+    must not make one leave after its claim may have expired (retired, or held by a
+    pause, since): a message past its ``not_after`` is not sent, its outcome a failure
+    (``unsent``), which releases its row for a later claim. One inside it is sent."""
+    late, due = str(uuid.uuid4()), str(uuid.uuid4())
+    async with client(env.settings) as amqp:
+        publisher = await amqp.publisher(window=1, timeout_s=5, user_id=None)
+        outcomes = await publisher.publish_many(
+            [
+                broker.Outgoing(
+                    late,
+                    broker.EXCHANGE_COMMANDS,
+                    "inventory.v1",
+                    b"{}",
+                    not_after=time.monotonic() - 0.001,
+                ),
+                broker.Outgoing(
+                    due,
+                    broker.EXCHANGE_COMMANDS,
+                    "inventory.v1",
+                    b"{}",
+                    not_after=time.monotonic() + 60,
+                ),
+            ]
+        )
+    assert [(o.message_id, o.ok, o.error.split(":")[0]) for o in outcomes] == [
+        (late, False, broker.UNSENT),
+        (due, True, ""),
+    ]
+    assert [d.message_id for d in await drain(env.settings, QUEUE)] == [due]

@@ -83,15 +83,24 @@ def command_queue(binding: str) -> str:
     return f"custody.commands.{binding}"
 
 
+# the outcome's error of a message not sent because its claim got too old (its kind in
+# custody_outbox_publish_failures_total)
+UNSENT: Final = "unsent"
+
+
 @dataclass(frozen=True)
 class Outgoing:
-    """One message to publish: the outbox row's id is the AMQP message_id."""
+    """One message to publish: the outbox row's id is the AMQP message_id.
+    ``not_after``: a ``time.monotonic()`` moment after which it is not sent any more
+    (the outbox's claim on it would be too old: see ``workers.runtime.outbox``); its
+    outcome is then a failure, and nothing left."""
 
     message_id: str
     exchange: str
     routing_key: str
     body: bytes
     headers: Mapping[str, Any] = field(default_factory=dict)
+    not_after: float | None = None
 
 
 def start_request(
@@ -823,6 +832,10 @@ class Publisher:
             user_id=self._user_id,
         )
         async with self._window:
+            if item.not_after is not None and time.monotonic() > item.not_after:
+                # it waited for a place in the window (the broker is slow to confirm)
+                # past what its claim allows: left to a later claim, with its checks
+                return Outcome(item.message_id, False, f"{UNSENT}: its claim is too old")
             try:
                 confirm = await channel.basic_publish(
                     item.body,

@@ -194,9 +194,19 @@ class OutboxPublisher:
         return rows, sending
 
     def _send(self, rows: Sequence[dict[str, Any]]) -> _Sending:
+        # each publish starts within half its claim's life, or not at all: a batch
+        # waits for room in the confirm window, and a broker slow to confirm could
+        # otherwise send a row after its claim expired (retired, or held by a pause,
+        # since); one not sent is released for a later claim, with its checks
+        now = time.monotonic()
         outgoing: Sequence[broker.Outgoing] = [
             broker.Outgoing(
-                str(r["id"]), r["exchange"], r["routing_key"], bytes(r["body"]), r["headers"] or {}
+                str(r["id"]),
+                r["exchange"],
+                r["routing_key"],
+                bytes(r["body"]),
+                r["headers"] or {},
+                not_after=self._handed_at.get(str(r["id"]), now) + self.claim_ttl_s / 2,
             )
             for r in rows
         ]
