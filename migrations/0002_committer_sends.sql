@@ -17,6 +17,19 @@ DROP TRIGGER IF EXISTS outbox_notify ON custody.outbox;
 CREATE TRIGGER outbox_notify AFTER INSERT ON custody.outbox REFERENCING NEW TABLE AS inserted
   FOR EACH STATEMENT EXECUTE FUNCTION custody.notify_outbox();
 
+-- The committer is never a member of custody_publisher (it would get every right of the
+-- publisher's: retiring, claiming, any status change a confirm mark does not make): its
+-- sender gets the column grants below, and the guard lets it dispatch and nothing else.
+-- Roles are the cluster's, so this holds whatever granted the membership before.
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_auth_members m
+              WHERE m.roleid = 'custody_publisher'::regrole
+                AND m.member = 'custody_committer'::regrole) THEN
+    REVOKE custody_publisher FROM custody_committer;
+  END IF;
+END $$;
+
 -- The committer's sender marks what it sent as the publisher does (outbox_mark_dispatched,
 -- outbox_release, outbox_unclaim): the columns those read and write, never a command's
 -- body; its confirm mark moves an operation pending -> dispatched.
