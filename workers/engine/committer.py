@@ -472,19 +472,7 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
         waker = supervisor.Waker(settings.poll_interval_s)
         # the submits it commits leave from here, right after their commit; the
         # publisher worker claims what they leave behind (their claims expired)
-        committer.sender = outbox.OutboxPublisher(
-            owner="engine",
-            database=ctx.db,
-            lease=ctx.lease,
-            publisher=await ctx.broker.publisher(
-                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s, user_id=None
-            ),
-            batch_size=settings.batch_size,
-            claim_ttl_s=settings.lease_ttl_s,
-            engine=True,
-            hold_submits=settings.dispatch_paused,
-            worker=ACTOR,
-        )
+        committer.sender = await ctx.engine_outbox()
 
         async def starts() -> None:
             await consume.run(

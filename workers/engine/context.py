@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers import errors
@@ -13,7 +13,7 @@ from workers.core import horizon, process, records, routes, tracing
 from workers.core.reasons import Reason
 from workers.io import broker
 from workers.io import db as dbm
-from workers.runtime import consume, logs, metrics, probes
+from workers.runtime import consume, logs, metrics, outbox, probes
 from workers.settings import Settings
 
 
@@ -50,6 +50,28 @@ class Context:
     async def reacquire(self) -> None:
         """After a fenced commit: the lease back under a new epoch (unless current)."""
         await self._keep()
+
+    async def engine_outbox(
+        self, before_sample: Callable[[dbm.Tx], Awaitable[object]] | None = None
+    ) -> outbox.OutboxPublisher:
+        """A publisher of the engine's outbox on this worker's database, lease and
+        broker, held by the start-up switch (CUSTODY_DISPATCH_PAUSED): the publisher
+        worker's, and the committer's sender of the submits it commits."""
+        s = self.settings
+        return outbox.OutboxPublisher(
+            owner="engine",
+            database=self.db,
+            lease=self.lease,
+            publisher=await self.broker.publisher(
+                window=s.confirm_window, timeout_s=s.confirm_timeout_s, user_id=None
+            ),
+            batch_size=s.batch_size,
+            claim_ttl_s=s.lease_ttl_s,
+            engine=True,
+            hold_submits=s.dispatch_paused,
+            before_sample=before_sample,
+            worker=self.worker,
+        )
 
     async def heartbeat(self) -> None:
         """Renew at a third of the TTL; a database outage is waited out (commits fail

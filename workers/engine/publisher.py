@@ -13,18 +13,8 @@ ACTOR = outbox.ACTOR
 
 async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:
     async with context.running(settings, ACTOR, health) as ctx:
-        pub = outbox.OutboxPublisher(
-            owner="engine",
-            database=ctx.db,
-            lease=ctx.lease,
-            publisher=await ctx.broker.publisher(
-                window=settings.confirm_window, timeout_s=settings.confirm_timeout_s, user_id=None
-            ),
-            batch_size=settings.batch_size,
-            claim_ttl_s=settings.lease_ttl_s,
-            engine=True,
-            hold_submits=settings.dispatch_paused,
-            before_sample=lambda tx: transitions.retire_submits(tx, ACTOR),
+        pub = await ctx.engine_outbox(
+            before_sample=lambda tx: transitions.retire_submits(tx, ACTOR)
         )
         waker = supervisor.Waker(settings.poll_interval_s)
         await supervisor.supervise(
