@@ -112,11 +112,11 @@ WITH n AS (
 ), x AS (
   INSERT INTO outbox (id, kind, exchange, routing_key, body, headers, operation_id,
                       claimed_by, claim_expires_at, publish_attempts)
-  SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers::jsonb,
+  SELECT r.id, r.kind, r.exchange, r.routing_key, decode(r.body, 'base64'), r.headers,
          r.operation_id, c.holder, c.expires, CASE WHEN c.holder IS NULL THEN 0 ELSE 1 END
     FROM ROWS FROM (jsonb_to_recordset(%(outbox)s)
                     AS (id uuid, kind text, exchange text, routing_key text, body text,
-                        headers text, operation_id uuid, instance_id uuid))
+                        headers jsonb, operation_id uuid, instance_id uuid))
          WITH ORDINALITY AS r(id, kind, exchange, routing_key, body, headers, operation_id,
                               instance_id, n)
          LEFT JOIN LATERAL (

@@ -11,7 +11,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import psycopg
 import pytest
@@ -26,6 +26,7 @@ from workers.io import broker, db
 from workers.participant import service
 from workers.participant.service import Call
 from workers.runtime import probes, supervisor
+from workers.runtime.outbox import OutboxPublisher
 
 SCHEMA = "participant_inventory"
 ME = service.Identity(
@@ -992,18 +993,15 @@ async def test_an_inline_batch_is_accepted_in_three_round_trips_and_hands_its_re
     and the COMMIT, whose ids come back with the commit's answer), where it cost six,
     then four."""
     releases = [submit(operation="inventory.release") for _ in range(12)]
-    handed: list[dict[str, Any]] = []
     committed: list[int] = []  # of the handed rows, those another session saw when handed
     url = env.settings.participant_database_url
 
-    class Sender:
-        """The participant's own publisher, as acceptance sees it."""
-
-        holder = "test-sender"
-        claim_ttl_s = 60.0
+    class Sender(OutboxPublisher):
+        """The participant's own publisher, as acceptance sees it: what it is handed is
+        kept as it would be sent (nothing is sent here)."""
 
         def hand(self, rows: Sequence[dict[str, Any]]) -> None:
-            handed.extend(rows)
+            super().hand(rows)
             with psycopg.connect(url, autocommit=True) as conn:
                 seen = conn.execute(
                     f"SELECT count(*) FROM {SCHEMA}.outbox WHERE id = ANY(%s::uuid[])",
@@ -1015,12 +1013,23 @@ async def test_an_inline_batch_is_accepted_in_three_round_trips_and_hands_its_re
         participant,
         transactions,
     ):
-        participant.sender = Sender()  # type: ignore[assignment]
+        sender = Sender(
+            owner="inventory",
+            database=cast(db.Database, None),
+            lease=None,
+            publisher=cast(broker.Publisher, None),
+            batch_size=50,
+            claim_ttl_s=60.0,
+            engine=False,
+        )
+        sender.holder = "test-sender"
+        participant.sender = sender
         trips = RoundTrips(monkeypatch)
         assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
         assert trips.n == 3, f"{trips.n} round trips"
 
     assert transactions.n == 1
+    handed = sender.handed
     assert {await _status(env, c.request_id) for c in releases} == {"succeeded"}
     assert sorted(r["operation_id"] for r in handed) == sorted(c.operation_id for c in releases)
     assert committed == [len(releases)], "handed over once their commit was visible"

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
-import orjson
-
 from contracts import codec, identity
 from contracts.models import (
     CancelCommand,
@@ -112,7 +110,7 @@ def _rows(
             "exchange": EXCHANGE_COMMANDS,
             "routing_key": pinned.binding,
             "body": body,
-            "headers": orjson.dumps({"traceparent": tracing.child(traceparent)}).decode(),
+            "headers": {"traceparent": tracing.child(traceparent)},
             "operation_id": pinned.operation_id,
         },
     )

@@ -69,16 +69,6 @@ async def _write_plans(
     )
 
 
-def _handed(plan: activation.Plan) -> dict[str, Any]:
-    """A plan's submit as the publisher sends it (what its claim would have returned)."""
-    row = plan.outbox
-    return {
-        **row,
-        "headers": orjson.loads(row["headers"]) if row["headers"] else {},
-        "publish_attempts": 1,
-    }
-
-
 PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
 
 
@@ -111,7 +101,7 @@ class Committer:
         mine = {r["id"] for r in await queued.rows()}
         if mine:
             faults.crash_point("after_commit_before_send")
-        self.sender.hand([_handed(p) for p in plans if p.outbox["id"] in mine])
+        self.sender.hand([p.outbox for p in plans if p.outbox["id"] in mine])
 
     async def commit_requests(self, deliveries: Sequence[broker.Delivery]) -> None:
         """Start and cancel requests, in queue order: each run of starts in one

@@ -190,11 +190,6 @@ class Queued:
     inserted: db.Answer | None = None
 
 
-def _handed(row: Mapping[str, Any]) -> dict[str, Any]:
-    """An outbox row as the publisher sends it (what its claim would have returned)."""
-    return {**row, "publish_attempts": 1}
-
-
 class Participant:
     def __init__(
         self,
@@ -854,7 +849,7 @@ class Participant:
             if self.sender is None:
                 queued.claimable = queued.claimable or bool(mine)
             else:
-                self.sender.hand([_handed(r) for r in queued.offered if r["id"] in mine])
+                self.sender.hand([r for r in queued.offered if r["id"] in mine])
         if queued.claimable:
             self.outbox_due = True
 

@@ -76,9 +76,8 @@ class OutboxPublisher:
         self.worker = worker
         # rows its own process committed already claimed by this holder
         # (``p_outbox_insert``, ``activation_insert``), to send without a claim
-        # transaction, each with the moment it was handed over: see hand()
+        # transaction, each stamped with the moment it was handed over: see hand()
         self.handed: list[dict[str, Any]] = []
-        self._handed_at: dict[str, float] = {}
         self.ready = asyncio.Event()
 
     def hand(self, rows: Sequence[dict[str, Any]]) -> None:
@@ -86,11 +85,11 @@ class OutboxPublisher:
         next (called after their commit). A row not sent before a crash waits for its
         claim to expire, then any publisher claims it. A row still here once half its
         claim's life has passed (the broker stalled, the process was paused) is not
-        sent from here any more (:meth:`_drop_stale`)."""
+        sent from here any more (:meth:`_drop_stale`). Each is sent as a claim would have
+        returned it: on its first attempt."""
         if rows:
             now = time.monotonic()
-            self.handed.extend(rows)
-            self._handed_at.update((str(r["id"]), now) for r in rows)
+            self.handed.extend({**r, "publish_attempts": 1, "handed_at": now} for r in rows)
             self.ready.set()
 
     def _drop_stale(self) -> None:
@@ -100,26 +99,17 @@ class OutboxPublisher:
         only a claim checks). Their claims expire; a publisher claims what is still
         to be sent, with every check of its claim."""
         limit = time.monotonic() - self.claim_ttl_s / 2
-        stale = [r for r in self.handed if self._handed_at.get(str(r["id"]), 0.0) < limit]
+        stale = sum(1 for r in self.handed if r["handed_at"] < limit)
         if not stale:
             return
-        gone = {str(r["id"]) for r in stale}
-        self.handed = [r for r in self.handed if str(r["id"]) not in gone]
-        for i in gone:
-            self._handed_at.pop(i, None)
+        self.handed = [r for r in self.handed if r["handed_at"] >= limit]
         logs.event(
             "outbox.handed_left_to_claim",
             logging.WARNING,
             worker=self.worker,
             owner=self.owner,
-            rows=len(stale),
+            rows=stale,
         )
-
-    def _sent(self, n: int) -> None:
-        """The first ``n`` rows handed over are done with (marked, or dropped)."""
-        for r in self.handed[:n]:
-            self._handed_at.pop(str(r["id"]), None)
-        del self.handed[:n]
 
     async def release_handed(self) -> None:
         """At shutdown: give the claims of rows handed over but not sent back, so that
@@ -130,7 +120,6 @@ class OutboxPublisher:
             return
         ids = [str(r["id"]) for r in self.handed]
         self.handed = []
-        self._handed_at.clear()
         try:
             async with asyncio.timeout(db.RELEASE_TIMEOUT_S):
                 async with self.db.transaction() as tx:
@@ -206,7 +195,7 @@ class OutboxPublisher:
                 r["routing_key"],
                 bytes(r["body"]),
                 r["headers"] or {},
-                not_after=self._handed_at.get(str(r["id"]), now) + self.claim_ttl_s / 2,
+                not_after=r.get("handed_at", now) + self.claim_ttl_s / 2,
             )
             for r in rows
         ]
@@ -256,14 +245,14 @@ class OutboxPublisher:
         try:
             await self.mark(rows, outcomes, epoch)
             if handed:
-                self._sent(len(rows))
+                del self.handed[: len(rows)]
         except errors.Fenced as exc:
             # not a lease loss of its own: the loss is counted once, by the lease's
             # keeper taking it back (custody_lease_losses_total{worker}). Rows handed
             # over are dropped as a claimed batch is: their claims may have expired and
             # been taken since; the publisher's claim finds the ones still pending
             if handed:
-                self._sent(len(rows))
+                del self.handed[: len(rows)]
             logs.event(
                 "lease.fenced",
                 logging.WARNING,
