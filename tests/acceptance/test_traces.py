@@ -11,7 +11,6 @@ poll; nothing sleeps a fixed time. The helpers live in ``tests/acceptance/observ
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -129,7 +128,7 @@ async def test_traceparent_is_stored_with_the_outbox_row_carried_in_headers_and_
         ]
         assert {r.digest for r in rebuilt} == {command.digest}
         assert {r.request_id for r in rebuilt} == {command.request_id}
-        headers = [json.loads(r.outbox_row["headers"])["traceparent"] for r in rebuilt]
+        headers = [r.outbox_row["headers"]["traceparent"] for r in rebuilt]
         assert headers[0] != headers[1], "the trace lives in the headers, not the identity"
 
         # Replay the identical command under another trace, then let the participant in.
