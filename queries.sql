@@ -386,13 +386,46 @@ UPDATE node_states n SET status = r.status, updated_at = now()
  WHERE n.operation_id = r.operation_id AND n.status = 'active';
 
 -- name: successor_insert
-INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_node)
-SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node
+-- A batch's successor intents; one the receipt consumer activated in this transaction
+-- (receipt_instances_claim) is written done: only pending ones wake the committer.
+INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_node, status,
+                               done_at)
+SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node,
+       CASE WHEN r.done THEN 'done' ELSE 'pending' END,
+       CASE WHEN r.done THEN now() END
   FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
-                  AS (instance_id uuid, from_operation_id uuid, outcome text, next_node text))
-       WITH ORDINALITY AS r(instance_id, from_operation_id, outcome, next_node, n)
+                  AS (instance_id uuid, from_operation_id uuid, outcome text, next_node text,
+                      done boolean))
+       WITH ORDINALITY AS r(instance_id, from_operation_id, outcome, next_node, done, n)
  ORDER BY r.n
 ON CONFLICT (from_operation_id) DO NOTHING;
+
+-- name: receipt_instances_claim
+-- planned per execution: a batch's rows of a growing table by their keys
+-- The instances of a batch's terminal receipts, locked only where no one holds them
+-- (the committer's claim, a cancel, an operator's command: their intents are left to
+-- the committer), after the batch's operations (operations_lock, sent before: the
+-- receipt consumer never waits for an instance while it holds operations). A cancel
+-- that commits first is seen here; one that comes later waits for this commit and sees
+-- the new operation. Their ids are kept in the transaction (custody.claimed_instances)
+-- for instance_results and node_activations, sent after it, as in successor_claim.
+WITH c AS (
+  SELECT i.id AS instance_id, i.tenant, i.status::text AS instance_status, i.process,
+         i.process_version, i.input, i.traceparent, i.routes
+    FROM instances i
+   WHERE i.id IN (SELECT o.instance_id FROM operations o
+                   WHERE o.id = ANY(%(ids)s)
+                     -- a duplicate or late receipt of a settled operation moves nothing
+                     -- on: its instance is not held (this transaction locked these rows)
+                     AND o.status NOT IN ('succeeded', 'failed', 'cancelled'))
+   ORDER BY i.id
+     FOR UPDATE OF i SKIP LOCKED
+), kept AS (
+  SELECT set_config('custody.claimed_instances',
+                    coalesce(string_agg(instance_id::text, ','), ''), true)
+    FROM c
+)
+SELECT c.* FROM c CROSS JOIN kept ORDER BY c.instance_id;
 
 -- name: instance_suspend
 UPDATE instances SET status = 'suspended', updated_at = now()

@@ -642,8 +642,8 @@ BEGIN
   END IF;
   UPDATE custody.control SET dispatch_paused = false, updated_at = now();
   RETURN custody.outcome(p_actor, 'resume', NULL, 'restore', p_reason, v_inputs, 'done',
-    'effect dispatch resumed in the database; restart publishers and committers without '
-    'CUSTODY_DISPATCH_PAUSED',
+    'effect dispatch resumed in the database; restart publishers, committers and receipt '
+    'consumers without CUSTODY_DISPATCH_PAUSED',
     jsonb_build_object('dispatch_paused', false, 'unanswered', v_pending));
 END $$;
 
@@ -803,7 +803,7 @@ GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publis
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_receipts;
-GRANT EXECUTE ON FUNCTION custody.claimed_instances() TO custody_committer;
+GRANT EXECUTE ON FUNCTION custody.claimed_instances() TO custody_committer, custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

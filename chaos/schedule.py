@@ -30,10 +30,15 @@ CRASH_POINTS: Final[Mapping[str, tuple[str, ...]]] = {
         "after_confirm_before_mark",
     ),
     "publisher": ("after_publish_before_confirm", "after_confirm_before_mark"),
+    # the receipt consumer sends the submits of the successors it activates: the confirm
+    # boundary's points are its too
     "receipts": (
         "receipts_locked",
         "receipts_between_result_and_successor",
+        "after_commit_before_send",
         "receipts_after_commit_before_ack",
+        "after_publish_before_confirm",
+        "after_confirm_before_mark",
     ),
     "reconciler": ("deadlines_claimed",),
     "participant": ("after_commit_before_ack", "mid_effect", "after_effect_before_receipt_sent"),

@@ -122,6 +122,18 @@ class InProcessFleet:
 
 
 @contextlib.asynccontextmanager
+async def held_instances(env: Any) -> AsyncIterator[None]:
+    """Every instance's row locked by another transaction (as a cancel or the committer's
+    claim holds one) while the block runs: the receipt consumer, which locks an
+    instance only when no one holds it, leaves each successor intent pending for the
+    committer. Instances created meanwhile are not held."""
+    async with await psycopg.AsyncConnection.connect(env.settings.database_url) as holder:
+        await holder.execute("SELECT 1 FROM custody.instances FOR UPDATE")
+        yield
+        await holder.rollback()
+
+
+@contextlib.asynccontextmanager
 async def client(settings: Settings, name: str = "test-client") -> Any:
     amqp = broker.Broker(settings.amqp_url, name)
     await amqp.connect()

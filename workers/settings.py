@@ -84,6 +84,10 @@ class Settings:
     # transaction: acceptance, effect and terminal receipt commit together before the
     # ack. Off: every handler runs in the executor, after acceptance.
     participant_inline: bool = True
+    # The receipt consumer activates a successor in the receipt's own transaction when
+    # it can lock the instance at once and finds it running. Off: every successor
+    # intent waits for the committer's claim (one more commit and wake-up per step).
+    receipts_activate: bool = True
     # The reconciler's gauge of settled operations counts a table that only grows: it
     # is refreshed this often (the live statuses are counted on every poll).
     settled_sample_s: float = 60.0

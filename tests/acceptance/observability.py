@@ -78,8 +78,9 @@ OWNED: dict[str, list[Expect]] = {
         Expect("custody_quarantined_total", {"source": broker.QUEUE_REQUESTS}, 1),
         Expect("custody_redeliveries_total", {"worker": "committer"}),
         Expect("custody_transitions_total", {"kind": "start"}, 5),
-        # it sends the submits it commits: 5 instances of 3 operations
-        Expect("custody_outbox_published_total", {"owner": "engine"}, 15),
+        # it sends the submits it commits: the 5 instances' first operations (the receipt
+        # consumer activates and sends the others)
+        Expect("custody_outbox_published_total", {"owner": "engine"}, 5),
         Expect("custody_publish_confirm_latency_seconds_count", {"owner": "engine"}, 1),
         Expect("custody_dispatch_paused", {"owner": "engine", "scope": "committer"}),
     ],
@@ -89,6 +90,13 @@ OWNED: dict[str, list[Expect]] = {
         Expect("custody_redeliveries_total", {"worker": "receipts"}),
         Expect("custody_operation_end_to_end_seconds_count", {}, 15),
         Expect("custody_operation_end_to_end_seconds_bucket", {"le": "+Inf"}, 15),
+        # the successors it activates in the receipts' transactions, and their submits it
+        # sends: 5 instances' second and third operations (a successor it could not
+        # lock at once is the committer's: none here, one instance at a time per batch)
+        Expect("custody_transitions_total", {"kind": "successor"}, 15),
+        Expect("custody_outbox_published_total", {"owner": "engine"}, 10),
+        Expect("custody_publish_confirm_latency_seconds_count", {"owner": "engine"}, 1),
+        Expect("custody_dispatch_paused", {"owner": "engine", "scope": "receipts"}),
     ],
     "reconciler": [
         Expect("custody_operations", {"status": "succeeded"}, 15),

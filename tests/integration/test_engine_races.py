@@ -134,15 +134,40 @@ async def effects(env: Env, schema: str, table: str) -> int:
     )
 
 
+# where a successor is activated: by the committer's claim of its intent (the receipt
+# consumer told to leave every intent to it), or in the receipt's own transaction; the
+# point inside that transaction where the instance is already locked
+ACTIVATORS = {"committer": "successor_claimed", "receipts": "receipts_locked"}
+
+
+def _activated_by(env: Env, activator: str) -> None:
+    if activator == "committer":
+        env.settings = dataclasses.replace(env.settings, receipts_activate=False)
+
+
+async def _raced_in(env: Env, iid: str, activator: str) -> None:
+    """The race ran against the activator under test: the nodes after the first were
+    activated by it (the hook's point is inside its transaction)."""
+    actors = await env.sql(
+        "SELECT DISTINCT actor FROM custody.history WHERE instance_id = %s"
+        " AND event = 'node.activated' AND detail->>'node' <> 'reserve'",
+        (iid,),
+    )
+    assert actors in ([], [(activator,)]), actors
+
+
+@pytest.mark.parametrize("activator", list(ACTIVATORS))
 async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_work_behind_it(
-    env: Env, fleet: InProcessFleet
+    env: Env, fleet: InProcessFleet, activator: str
 ) -> None:
     """The seed: "Cancellation is a request to settle work consistently with the
-    executor's durable state." A cancel that commits while the committer is inside
-    the transaction that activates the next node must be serialised with it: either
-    the new operation exists before the cancel (and the cancel settles it), or the
-    activation sees the cancel and creates nothing. No node is activated after the
-    instance's cancellation committed, and every effect is one the engine knows."""
+    executor's durable state." A cancel that commits while the committer, or the receipt
+    consumer, is inside the transaction that activates the next node must be serialised
+    with it: either the new operation exists before the cancel (and the cancel settles
+    it), or the activation sees the cancel and creates nothing. No node is activated
+    after the instance's cancellation committed, and every effect is one the engine
+    knows."""
+    _activated_by(env, activator)
     fleet.start_all()
     cancel: list[Cli] = []
 
@@ -152,7 +177,7 @@ async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_wo
         cancel.append(cli)
         await cli.finished_or_blocked()
 
-    faults.set_hook("successor_claimed", once_at(1, cancel_now))  # reserve -> charge
+    faults.set_hook(ACTIVATORS[activator], once_at(1, cancel_now))  # reserve -> charge
     await publish_starts(env.settings, [order(1)])
     await wait_until(lambda: _true(cancel), what="the cancel raced the activation")
     assert await cancel[0].result() == 0, cancel[0].stderr
@@ -166,6 +191,7 @@ async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_wo
     [cancelling] = [i for i, e, _ in events if e == "instance.cancelling"]
     late = [(e, n) for i, e, n in events if e == "node.activated" and i > cancelling]
     assert late == [], f"work created after the cancellation committed: {late}"
+    await _raced_in(env, iid, activator)
     charged = await effects(env, "payments", "charges")
     succeeded = await env.scalar(
         "SELECT count(*) FROM custody.operations WHERE node = 'charge' AND status = 'succeeded'"
@@ -173,13 +199,16 @@ async def test_a_cancel_committing_while_a_successor_is_activated_gets_no_new_wo
     assert charged == succeeded, "every charge is one the engine holds as succeeded"
 
 
+@pytest.mark.parametrize("activator", list(ACTIVATORS))
 async def test_an_end_node_racing_a_cancel_leaves_one_terminal_instance_event(
-    env: Env, fleet: InProcessFleet
+    env: Env, fleet: InProcessFleet, activator: str
 ) -> None:
     """The seed: "Cancellation is a request to settle work consistently with the
-    executor's durable state." The last node's successor (@completed) and a cancel
-    race: exactly one of them decides the instance, and its history says the same
-    (no ``instance.completed`` row for an instance that ended cancelled)."""
+    executor's durable state." The last node's successor (@completed), taken by the
+    committer or by the receipt consumer, and a cancel race: exactly one of them decides
+    the instance, and its history says the same (no ``instance.completed`` row for an
+    instance that ended cancelled)."""
+    _activated_by(env, activator)
     fleet.start_all()
     cancel: list[Cli] = []
 
@@ -189,7 +218,7 @@ async def test_an_end_node_racing_a_cancel_leaves_one_terminal_instance_event(
         cancel.append(cli)
         await cli.finished_or_blocked()
 
-    faults.set_hook("successor_claimed", once_at(3, cancel_now))  # ship -> @completed
+    faults.set_hook(ACTIVATORS[activator], once_at(3, cancel_now))  # ship -> @completed
     await publish_starts(env.settings, [order(1)])
     await wait_until(lambda: _true(cancel), timeout=30, what="the cancel raced the end node")
     code = await cancel[0].result()
@@ -212,6 +241,7 @@ async def test_an_end_node_racing_a_cancel_leaves_one_terminal_instance_event(
     assert finals == [f"instance.{status}"], finals
     if status == "completed":
         assert code == 3 and "already completed" in cancel[0].stderr, cancel[0].stderr
+    await _raced_in(env, iid, activator)
 
 
 async def test_cancel_start_under_another_spelling_of_the_id_is_serialised_with_the_start(
@@ -399,8 +429,10 @@ async def test_a_missing_pinned_version_suspends_its_instance_in_the_committer_a
     await fleet.stop_all()
 
     fleet.start("committer", dataclasses.replace(s, processes_dir=v2, definition_retry_s=0.5))
+    # the receipt consumer leaves every successor to the committer (one that activates
+    # successors itself, holding the version, would activate this one)
     for w in ("publisher", "receipts", "reconciler"):
-        fleet.start(w, dataclasses.replace(s, processes_dir=both))
+        fleet.start(w, dataclasses.replace(s, processes_dir=both, receipts_activate=False))
     fleet.start_all(engine=())
     await _until_instance(env, "order-00001", "suspended")
     [(reason,)] = await env.sql("SELECT suspended_reason FROM custody.instances")

@@ -21,11 +21,30 @@ from workers.io import broker, db
 REFUSED = [
     ("custody_publisher", "INSERT INTO custody.operations (id) VALUES (gen_random_uuid())"),
     ("custody_publisher", "UPDATE custody.receipt_inbox SET decision = 'x'"),
+    # the receipt consumer activates successors, never starts an instance, and marks
+    # the outbox rows it sends without reading a command's body
+    ("custody_receipts", "INSERT INTO custody.instances (id) VALUES (gen_random_uuid())"),
+    # it inserts a new activation's rows only (restrictive policies, migration 0003)
     (
         "custody_receipts",
         "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body)"
-        " VALUES (gen_random_uuid(), 'submit', 'x', 'y', '')",
+        " VALUES (gen_random_uuid(), 'query', 'custody.commands', 'inventory.v1', '')",
     ),
+    (
+        "custody_receipts",
+        "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body)"
+        " VALUES (gen_random_uuid(), 'submit', 'custody.receipts', 'x', '')",
+    ),
+    (
+        "custody_receipts",
+        "INSERT INTO custody.operations (id, status) VALUES (gen_random_uuid(), 'succeeded')",
+    ),
+    (
+        "custody_receipts",
+        "INSERT INTO custody.attempts (request_id, kind) VALUES (gen_random_uuid(), 'query')",
+    ),
+    ("custody_receipts", "SELECT body FROM custody.outbox"),
+    ("custody_receipts", "UPDATE custody.outbox SET routing_key = 'x'"),
     ("custody_receipts", "UPDATE custody.control SET dispatch_paused = false"),
     ("custody_committer", "UPDATE custody.receipt_inbox SET decision = 'x'"),
     ("custody_committer", "DELETE FROM custody.outbox"),
@@ -149,7 +168,8 @@ async def test_a_participant_cannot_publish_a_receipt_as_another_participant(env
 @pytest.mark.parametrize(
     ("user", "exchange"),
     [
-        ("custody-receipts", broker.EXCHANGE_COMMANDS),
+        ("custody-receipts", broker.EXCHANGE_RECEIPTS),
+        ("custody-receipts", broker.EXCHANGE_REQUESTS),
         ("custody-committer", broker.EXCHANGE_RECEIPTS),
         ("custody-publisher", broker.EXCHANGE_RECEIPTS),
     ],

@@ -352,6 +352,9 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # the receipts' lock of a batch's operations, with their instances' status
     "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
+    # the instances of a receipt batch's operations, locked where free (the instances by
+    # their key too: test_…_reaches_its_instance_by_its_key)
+    "receipt_instances_claim": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
     "operations_lock ": ("instances", "instances_pkey", {"ids": [uuid.uuid4()]}),
 }
 
@@ -581,6 +584,9 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
     ),
     "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
+    # the instances of a receipt batch's operations, locked where free (the instances by
+    # their key too: test_…_reaches_its_instance_by_its_key)
+    "receipt_instances_claim": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
     "revisions_seen": (
         "receipt_inbox",
         "receipt_inbox_revision",
@@ -612,7 +618,11 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
 ONE_ITEM: dict[str, tuple[str, str, dict[str, Any]]] = {
     name: PER_EXECUTION[name]
     for name in ("operation_apply", "node_finish", "instance_finish", "instance_results")
-} | {"node_activations": ("node_states", "node_states_pkey", {})}
+} | {
+    "node_activations": ("node_states", "node_states_pkey", {}),
+    # the receipt consumer's lock of its receipt's instance
+    "receipt_instances_claim": ("instances", "instances_pkey", {"ids": [uuid.uuid4()]}),
+}
 MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after its burst
 
 

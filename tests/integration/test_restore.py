@@ -87,9 +87,10 @@ async def test_the_restore_runbook_loses_nothing_doubles_nothing_and_reports_the
     assert await completed(env) == 10
 
     held = dataclasses.replace(s, dispatch_paused=True)  # the start-up switch
-    fleet.start_all(engine=("receipts", "reconciler"))
-    fleet.start("committer", held)  # it sends the submits it commits
-    fleet.start("publisher", held)
+    fleet.start_all(engine=("reconciler",))
+    # the committer and the receipt consumer send the submits they commit
+    for w in ("committer", "receipts", "publisher"):
+        fleet.start(w, held)
     for step in ("mark-restored", "reconcile"):
         result = await custody(env, "restore", step, "--reason", "restored from last night's dump")
         assert result.returncode == 0, result.stderr
@@ -201,9 +202,10 @@ async def _restore_and_reconcile(env: Env, fleet: InProcessFleet, dump: Path) ->
     await fleet.stop_all()
     restore_from(env, dump)
     held = dataclasses.replace(env.settings, dispatch_paused=True)  # the start-up switch
-    fleet.start_all(engine=("receipts", "reconciler"))
-    fleet.start("committer", held)  # it sends the submits it commits
-    fleet.start("publisher", held)
+    fleet.start_all(engine=("reconciler",))
+    # the committer and the receipt consumer send the submits they commit
+    for w in ("committer", "receipts", "publisher"):
+        fleet.start(w, held)
     for step in ("mark-restored", "reconcile"):
         result = await custody(env, "restore", step, "--reason", "restored from the dump")
         assert result.returncode == 0, result.stderr

@@ -33,14 +33,16 @@ async def test_a_changed_routes_file_does_not_redirect_an_instance_that_pinned_i
         )
 
     await wait_until(charge_waiting, what="the charge operation dispatched")
-    committer = next(r for r in fleet.running if r.name == "committer")
-    await fleet.stop(committer)
+    # the new file rolls out to both workers that activate nodes
+    for run in [r for r in fleet.running if r.name in ("committer", "receipts")]:
+        await fleet.stop(run)
     moved = tmp_path / "routes.toml"
     moved.write_text((ROOT / "deploy" / "routes.toml").read_text().replace('.v1"', '.v2"'))
     drift_before = (
         REGISTRY.get_sample_value("custody_route_drift_total", {"route": "shipping"}) or 0
     )
     fleet.start("committer", dataclasses.replace(env.settings, routes_file=str(moved)))
+    fleet.start("receipts", dataclasses.replace(env.settings, routes_file=str(moved)))
     fleet.start("payments")
 
     async def completed() -> bool:

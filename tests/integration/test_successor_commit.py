@@ -23,6 +23,7 @@ from tests.harness import (
     InProcessFleet,
     RoundTrips,
     Statements,
+    held_instances,
     order,
     publish_starts,
     role_database,
@@ -42,7 +43,8 @@ async def _until(env: Env, query: LiteralString, n: int, what: str) -> None:
 
 
 async def _pending_successors(env: Env) -> None:
-    """Every reserve applied, its successor intent left for a committer (``ORDERS``)."""
+    """Every reserve applied, its successor intent left for a committer (``ORDERS``): the
+    instances' rows held meanwhile, which the receipt consumer does not wait for."""
     fleet = InProcessFleet(env)
     starter = fleet.start("committer")
     fleet.start("publisher")
@@ -56,14 +58,15 @@ async def _pending_successors(env: Env) -> None:
             "every reserve created",
         )
         await fleet.stop(starter)  # the successors wait for the committer under test
-        fleet.start("receipts")
-        await _until(
-            env,
-            "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
-            ORDERS,
-            "every reserve's successor intent",
-        )
-        fleet.check_alive()
+        async with held_instances(env):  # so the receipt consumer leaves them pending
+            fleet.start("receipts")
+            await _until(
+                env,
+                "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+                ORDERS,
+                "every reserve's successor intent",
+            )
+            fleet.check_alive()
     finally:
         await fleet.stop_all()
 

@@ -273,6 +273,7 @@ class SuccessorIntent:
     from_operation_id: str
     outcome: lifecycle.Status
     next_node: str
+    done: bool = False  # activated in the transaction that writes it (the receipt's)
 
     def params(self) -> dict[str, Any]:
         return {
@@ -280,6 +281,7 @@ class SuccessorIntent:
             "from_operation_id": self.from_operation_id,
             "outcome": self.outcome.value,
             "next_node": self.next_node,
+            "done": self.done,
         }
 
 

@@ -2,8 +2,11 @@
 
 It commits, in one transaction, node state, history, the operation and its attempt,
 and the outbox row that is the dispatch intent. Inputs: start requests (AMQP, acked
-after commit) and successor intents written by the receipt consumer (claimed with
-``FOR UPDATE SKIP LOCKED``, woken by NOTIFY with a polling fallback).
+after commit) and the successor intents the receipt consumer wrote pending (claimed
+with ``FOR UPDATE SKIP LOCKED``, woken by NOTIFY with a polling fallback): those it did
+not activate in the receipt's own transaction (an instance someone else held, not
+running, changed by the same batch, or whose version it does not hold;
+``workers.engine.receipts``).
 
 Its submits leave from this process: the commit queues each one already claimed by the
 process's own outbox publisher (``workers.runtime.outbox``, the *broker confirmation*
@@ -19,16 +22,14 @@ claimed (retries, queries, cancels, a submit held by a pause).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import orjson
-
 from contracts import codec, identity
-from contracts.models import CancelRequest, ExecutorRoute, StartRequest
+from contracts.models import CancelRequest, StartRequest
 from workers.core import activation, lifecycle, process, records, routes, tracing
 from workers.core.reasons import Reason
-from workers.engine import context, transitions
+from workers.engine import activate, context, transitions
 from workers.io import broker, db
 from workers.runtime import consume, faults, logs, metrics, otel, outbox, probes, supervisor
 from workers.settings import Settings
@@ -37,39 +38,6 @@ ACTOR = "committer"
 AckPolicy = "ack after commit; malformed starts are quarantined and acked"
 DEFINITION_MISSING = Reason.DEFINITION_MISSING.value  # instances.suspended_reason
 IE, IS = lifecycle.InstanceEvent, lifecycle.InstanceStatus
-
-
-async def _write_plans(
-    tx: db.Tx,
-    plans: Sequence[activation.Plan],
-    before: Sequence[records.History] = (),
-    after: Sequence[records.History] = (),
-    sender: outbox.OutboxPublisher | None = None,
-) -> db.Answer | None:
-    """The plans' rows and the unit's history (``before``, the plans' own, ``after``, in
-    that order) in one statement, sent without waiting. Its submits are queued claimed
-    by ``sender`` where the publisher's claim would take them now: the answer names
-    those, to hand to it once the commit is durable (read with the commit's answer)."""
-    history = [*before, *(p.history for p in plans), *after]
-    if not plans:
-        await tx.send_many("history_insert", [h.params(db.jsonb) for h in history])
-        return None
-    return await tx.ask(
-        "activation_insert",
-        {
-            "nodes": db.jsonb([p.node for p in plans]),
-            "operations": db.jsonb([p.operation.params(db.jsonb) for p in plans]),
-            "attempts": db.jsonb([p.attempt for p in plans]),
-            "outbox": db.jsonb([{**p.outbox, "instance_id": p.instance_id} for p in plans]),
-            "history": db.jsonb([h.params(db.jsonb) for h in history]),
-            "holder": sender.holder if sender else None,
-            "ttl": sender.claim_ttl_s if sender else 0,
-            "held": sender.hold_submits if sender else True,
-        },
-    )
-
-
-PINNED_ROUTES_KEPT = 1024  # distinct pinned route sets parsed once (a deployment has few)
 
 
 class Committer:
@@ -87,21 +55,10 @@ class Committer:
         self.lease = lease
         self.routes = table
         self.catalog = catalog
-        # an instance's pinned routes, parsed, with the names the current file changed
-        # or removed, by their JSON: most instances pin the same routes
-        self._pinned: dict[bytes, tuple[dict[str, ExecutorRoute], tuple[str, ...]]] = {}
+        self.activator = activate.Activator(table, catalog, ACTOR)
         # this process's publisher of the submits its commits queue claimed by it
         # (None: every submit is left to the publisher worker's claim)
         self.sender: outbox.OutboxPublisher | None = None
-
-    async def _hand(self, queued: db.Answer | None, plans: Sequence[activation.Plan]) -> None:
-        """After a commit: the submits it queued claimed by our sender go to it."""
-        if queued is None or self.sender is None:
-            return
-        mine = {r["id"] for r in await queued.rows()}
-        if mine:
-            faults.crash_point("after_commit_before_send")
-        self.sender.hand([p.outbox for p in plans if p.outbox["id"] in mine])
 
     async def commit_requests(self, deliveries: Sequence[broker.Delivery]) -> None:
         """Start and cancel requests, in queue order: each run of starts in one
@@ -246,12 +203,12 @@ class Committer:
                 )
                 for i in instances
             ]
-            queued = await _write_plans(tx, plans, before=started, sender=self.sender)
+            queued = await activate.write_plans(tx, plans, before=started, sender=self.sender)
             await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in quarantine])
             if span.recording:
                 _traced(span, plans, [d.message_id for d, _ in valid])
             faults.crash_point("before_commit")
-        await self._hand(queued, plans)
+        await activate.hand(queued, plans, self.sender)
         metrics.transitions("start", len(plans))
         context.quarantined(quarantine)
 
@@ -285,10 +242,9 @@ class Committer:
             plans: list[activation.Plan] = []
             history: list[records.History] = []
             done: list[Any] = []
-            finishes: list[tuple[Any, lifecycle.InstanceStatus, records.History]] = []
+            finishes: list[activate.Finish] = []
             for intent in intents:
                 iid = intent["instance_id"]
-                nxt = intent["next_node"]
                 status = intent["instance_status"]
                 try:
                     definition = self.catalog.get(intent["process"], intent["process_version"])
@@ -303,69 +259,20 @@ class Committer:
                 if status != IS.RUNNING and not faults.broken("skip_instance_recheck"):
                     history.append(_history(iid, "successor.suppressed", instance_status=status))
                     continue
-                if nxt in (process.END_COMPLETED, process.END_FAILED):
-                    # what the guarded UPDATE (WHERE status = 'running') sets
-                    end = lifecycle.instance_target(
-                        IE.COMPLETE if nxt == process.END_COMPLETED else IE.FAIL
-                    )
-                    finishes.append((iid, end, _history(iid, f"instance.{end.value}")))
-                    continue
-                pinned = self._pinned_routes(iid, intent["routes"])
-                number = activations.get((iid, nxt), 0) + 1
-                activations[(iid, nxt)] = number
-                try:
-                    plans.append(
-                        activation.plan_activation(
-                            tenant=intent["tenant"],
-                            instance_id=str(iid),
-                            definition=definition,
-                            node_name=nxt,
-                            activation=number,
-                            instance_input=intent["input"],
-                            results=results.get(iid, {}),
-                            pinned=pinned,
-                            traceparent=intent["traceparent"],
-                            actor=ACTOR,
-                        )
-                    )
-                except activation.ACTIVATION_ERRORS as exc:
-                    metrics.ACTIVATION_FAILURES.labels(Reason.ACTIVATION_FAILED).inc()
-                    logs.event(
-                        "instance.activation_failed",
-                        logging.ERROR,
-                        instance_id=str(iid),
-                        node=nxt,
-                        error=str(exc)[:300],
-                    )
-                    failed = lifecycle.instance_target(IE.FAIL)
-                    finishes.append(
-                        (
-                            iid,
-                            failed,
-                            _history(
-                                iid,
-                                f"instance.{failed.value}",
-                                reason=Reason.ACTIVATION_FAILED,
-                                node=nxt,
-                                error=str(exc),
-                            ),
-                        )
-                    )
+                decided = self.activator.next(intent, definition, results.get(iid, {}), activations)
+                if isinstance(decided, activate.Finish):
+                    finishes.append(decided)
+                else:
+                    plans.append(decided)
             # the batch's ends in one guarded UPDATE (WHERE status = 'running'): the
             # history of an end only for an instance it did end
-            ended: set[Any] = set()
-            if finishes:
-                rows = [{"id": i, "status": e.value} for i, e, _ in finishes]
-                ended = {
-                    r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})
-                }
-            history.extend(h for i, _, h in finishes if i in ended)
-            queued = await _write_plans(tx, plans, after=history, sender=self.sender)
+            history.extend(await activate.finish(tx, finishes))
+            queued = await activate.write_plans(tx, plans, after=history, sender=self.sender)
             await tx.send("successor_done", {"ids": done})
             if isinstance(span, otel.Claimed):
                 span.parent(intents[0]["traceparent"])
                 _traced(span, plans, [])
-        await self._hand(queued, plans)
+        await activate.hand(queued, plans, self.sender)
         metrics.transitions("successor", len(done))
         return len(intents)
 
@@ -398,32 +305,6 @@ class Committer:
                     version=intent["process_version"],
                 )
             )
-
-    def _pinned_routes(self, instance_id: Any, raw: Mapping[str, Any]) -> dict[str, ExecutorRoute]:
-        """The instance's pinned routes. A pinned route that the current file changed or
-        removed is an alert, never a redirect: the instance keeps the binding it started
-        with."""
-        key = orjson.dumps(raw, option=orjson.OPT_SORT_KEYS)
-        known = self._pinned.get(key)
-        if known is None:
-            pinned = {k: ExecutorRoute.model_validate(v, strict=False) for k, v in raw.items()}
-            drifted = tuple(n for n, r in pinned.items() if self.routes.by_name.get(n) != r)
-            known = (pinned, drifted)
-            if len(self._pinned) < PINNED_ROUTES_KEPT:
-                self._pinned[key] = known
-        pinned, drifted = known
-        for name in drifted:
-            current = self.routes.by_name.get(name)
-            metrics.ROUTE_DRIFT.labels(name).inc()
-            logs.event(
-                "route.drift",
-                logging.WARNING,
-                instance_id=str(instance_id),
-                route=name,
-                pinned=pinned[name].binding,
-                current=current.binding if current else None,
-            )
-        return pinned
 
 
 def _traced(span: otel.Traced, plans: Sequence[activation.Plan], ids: Any) -> None:

@@ -5,23 +5,34 @@ applied in one transaction: the result, the operation's status and owner revisio
 the receipt's identity (so it applies at most once), and the successor intent. The
 deliveries are acked only after that commit. Anything invalid is quarantined with
 its reason in the same transaction, acked, and changes nothing else.
+
+A successor whose instance the transaction could lock at once (``FOR UPDATE SKIP
+LOCKED``, after the batch's operations: it never waits for an instance while holding
+them) and found running is activated in that same transaction (``workers.engine.
+activate``, the committer's *workflow transition*, its intent written done), and its
+submit leaves from this process's own sender right after the commit, as the
+committer's do. Every other intent is written pending, for the committer's claim.
+``CUSTODY_RECEIPTS_ACTIVATE=false`` leaves them all to it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from contracts import codec
 from contracts.models import OperationReceipt, QueryAnswer
+from workers import errors
+from workers.core import activation, lifecycle, process, records, routes, tracing, validation
 from workers.core import effects as effects_
-from workers.core import lifecycle, process, records, tracing, validation
 from workers.core.reasons import Reason
-from workers.engine import context
+from workers.engine import activate, context
 from workers.io import broker, db
-from workers.runtime import consume, faults, logs, metrics, otel, probes, supervisor
+from workers.runtime import consume, faults, logs, metrics, otel, outbox, probes, supervisor
 from workers.settings import Settings
 
 ACTOR = "receipts"
@@ -52,6 +63,23 @@ class Writes:
             self.successors.append(effects.successor)
 
 
+@dataclass(frozen=True)
+class Reads:
+    """What a batch's successors are planned from, asked in its first round trip."""
+
+    instances: db.Answer
+    results: db.Answer
+    activations: db.Answer
+
+
+@dataclass
+class Step:
+    """The successors a batch activates itself: new nodes, and instances ended."""
+
+    plans: list[activation.Plan] = field(default_factory=list)
+    finishes: list[activate.Finish] = field(default_factory=list)
+
+
 class ReceiptConsumer:
     def __init__(
         self,
@@ -59,14 +87,45 @@ class ReceiptConsumer:
         database: db.Database,
         lease: db.Lease | None,
         catalog: process.Catalog,
+        table: routes.Routes | None = None,
     ) -> None:
+        """``table``: the routes file, to activate successors in the receipt's own
+        transaction (without it, every successor intent is left to the committer)."""
         self.settings = settings
         self.db = database
         self.lease = lease
         self.catalog = catalog
+        self.activator = activate.Activator(table, catalog, ACTOR) if table is not None else None
+        # this process's publisher of the submits its commits queue claimed by it
+        # (None: every submit is left to the publisher worker's claim)
+        self.sender: outbox.OutboxPublisher | None = None
 
     async def apply(self, deliveries: Sequence[broker.Delivery]) -> list[str]:
-        """Validate and apply a batch in one transaction; returns each delivery's verdict."""
+        """Validate and apply a batch in one transaction; returns each delivery's verdict.
+
+        A unit that activated successors and failed for a reason a redo will not cure
+        (a bug, a constraint, a grant missing from the deployment) is done again at once
+        without activating any: the receipts apply and their intents wait for the
+        committer, as they did before this worker activated them, instead of the
+        receipts being dead-lettered for what their successors could not do."""
+        if self.activator is None:
+            return await self._apply(deliveries, activating=False)
+        try:
+            return await self._apply(deliveries, activating=True)
+        except Exception as exc:
+            if _redone(exc):
+                raise
+            logs.event(
+                "receipts.activation_failed",
+                logging.ERROR,
+                batch_size=len(deliveries),
+                error=f"{type(exc).__name__}: {exc}"[:300],
+                then="applied without activating: the committer activates the successors",
+            )
+            metrics.ACTIVATION_FAILURES.labels(Reason.ACTIVATION_FAILED).inc()
+            return await self._apply(deliveries, activating=False)
+
+    async def _apply(self, deliveries: Sequence[broker.Delivery], *, activating: bool) -> list[str]:
         w = Writes()
         decoded: list[tuple[int, broker.Delivery, OperationReceipt | QueryAnswer]] = []
         verdict_of: dict[int, str] = {}
@@ -100,6 +159,10 @@ class ReceiptConsumer:
                     "owner_revision": [r.owner_revision for r in inner],
                 },
             )
+            # the instances a terminal receipt may move on, locked where free, with what
+            # their successors are planned from (after the operations: never waiting)
+            ending = list({r.operation_id for r in inner if r.status != "accepted"})
+            reads = await self._instances(tx, ending) if activating and ending else None
             rows = {r.id: r for r in map(records.OperationRow.from_row, await locked.rows())}
             views = {k: r.view() for k, r in rows.items()}
             issued = {r["request_id"]: validation.IssuedRequest(**r) for r in await attempts.rows()}
@@ -112,7 +175,10 @@ class ReceiptConsumer:
             for i, d, message in decoded:
                 with logs.bound(**_ids(d, message, rows)):
                     verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
+            step = await self._activate(reads, rows, w) if reads is not None else Step()
             await write(tx, w)
+            history = await activate.finish(tx, step.finishes)
+            queued = await activate.write_plans(tx, step.plans, after=history, sender=self.sender)
             if span.recording:
                 span.set(
                     operation_id=op_ids,
@@ -120,13 +186,77 @@ class ReceiptConsumer:
                     message_id=[d.message_id for d in deliveries],
                     verdict=w.verdicts,
                 )
+        await activate.hand(queued, step.plans, self.sender)
         faults.crash_point("receipts_after_commit_before_ack")
+        if step.plans or step.finishes:
+            metrics.transitions("successor", len(step.plans) + len(step.finishes))
         context.quarantined(w.quarantine)
         for v in w.verdicts:
             metrics.RECEIPTS.labels(v).inc()
         for seconds in w.latencies:
             metrics.END_TO_END.observe(seconds)
         return [verdict_of[i] for i in range(len(deliveries))]
+
+    async def _instances(self, tx: db.Tx, ending: list[str]) -> Reads:
+        """The instances of these operations, locked where free, with the results and
+        node activations their successors are planned from (sent, not yet read)."""
+        return Reads(
+            await tx.ask("receipt_instances_claim", {"ids": ending}),
+            await tx.ask("instance_results"),
+            await tx.ask("node_activations"),
+        )
+
+    async def _activate(
+        self, reads: Reads, rows: dict[str, records.OperationRow], w: Writes
+    ) -> Step:
+        """The successors this batch can activate itself, planned, and their intents
+        marked done: each one alone for its instance in the batch, whose row this
+        transaction locked and found running, whose instance no other receipt of the
+        batch changes, and whose pinned process version is loaded. Any other intent is
+        written pending, for the committer (which suspends, suppresses, resumes or
+        retries it, as it always did)."""
+        assert self.activator is not None
+        locked = {r["instance_id"]: r for r in await reads.instances.rows()}
+        results: dict[Any, dict[str, Any]] = {}
+        for r in await reads.results.rows():
+            results.setdefault(r["instance_id"], {})[r["node"]] = r["result"]
+        activations = {
+            (r["instance_id"], r["node"]): r["activation"] for r in await reads.activations.rows()
+        }
+        # this batch's own results, not yet written when the reads ran
+        for u in w.updates:
+            row = rows.get(u.id)
+            if row is not None and u.status is lifecycle.Status.SUCCEEDED:
+                results.setdefault(row.instance_id, {})[row.node] = u.result
+        per_instance = collections.Counter(s.instance_id for s in w.successors)
+        changed = {c.instance_id for c in w.instance}
+        step = Step()
+        for n, intent in enumerate(w.successors):
+            iid = intent.instance_id
+            found = locked.get(iid)
+            if (
+                found is None
+                or found["instance_status"] != lifecycle.InstanceStatus.RUNNING
+                or per_instance[iid] > 1
+                or iid in changed
+            ):
+                continue
+            try:
+                definition = self.catalog.get(found["process"], found["process_version"])
+            except process.DefinitionError:
+                continue  # the committer suspends the instance with the reason
+            decided = self.activator.next(
+                {**found, "next_node": intent.next_node},
+                definition,
+                results.get(iid, {}),
+                activations,
+            )
+            if isinstance(decided, activate.Finish):
+                step.finishes.append(decided)
+            else:
+                step.plans.append(decided)
+            w.successors[n] = replace(intent, done=True)
+        return step
 
     def _one(
         self,
@@ -236,6 +366,16 @@ async def write(tx: db.Tx, w: Writes) -> None:
     await tx.send_many("history_insert", [h.params(db.jsonb) for h in w.history])
 
 
+def _redone(exc: Exception) -> bool:
+    """Whether the consume loop redoes the unit for this failure as it is (transient, in
+    doubt, fenced), so that nothing is to be done differently."""
+    return isinstance(exc, errors.DatabaseError) and exc.kind in (
+        errors.Retry.RETRY,
+        errors.Retry.IN_DOUBT,
+        errors.Retry.FENCED,
+    )
+
+
 def _alert_definition_missing(row: records.OperationRow | None, error: str) -> None:
     """A validated receipt whose pinned process version is not loaded: an alert (the
     receipt is kept in quarantine; see ``validation.judge``)."""
@@ -293,7 +433,16 @@ def _quarantine(
 
 async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health) -> None:
     async with context.running(settings, ACTOR, health) as ctx:
-        receipt_consumer = ReceiptConsumer(settings, ctx.db, ctx.lease, ctx.catalog)
+        receipt_consumer = ReceiptConsumer(
+            settings,
+            ctx.db,
+            ctx.lease,
+            ctx.catalog,
+            ctx.routes if settings.receipts_activate else None,
+        )
+        # the submits of the successors it activates leave from here, right after their
+        # commit; the publisher worker claims what they leave behind (claims expired)
+        receipt_consumer.sender = await ctx.engine_outbox()
 
         async def receipts_in() -> None:
             await consume.run(
@@ -306,7 +455,25 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
                 on_fenced=ctx.reacquire,
             )
 
-        await supervisor.supervise(main=[receipts_in()], side=[ctx.heartbeat()])
+        try:
+            await supervisor.supervise(
+                main=[
+                    receipts_in(),
+                    outbox.loop(
+                        receipt_consumer.sender,
+                        stop,
+                        supervisor.Waker(settings.poll_interval_s),
+                        ctx.reacquire,
+                        ACTOR,
+                        claims=False,
+                    ),
+                ],
+                side=[ctx.heartbeat()],
+            )
+        finally:
+            # a batch that was committing when the stop came hands its submits over after
+            # the sender's loop may have ended: their claims are given back here
+            await receipt_consumer.sender.release_handed()
 
 
 def _accepted_as_success(

@@ -952,7 +952,8 @@ def permissions(principals: Mapping[str, str]) -> dict[str, tuple[str, str, str]
         # the committer publishes the submits it commits (its dead letters too)
         "custody-committer": ("^$", only(EXCHANGE_COMMANDS, EXCHANGE_DEAD), only(QUEUE_REQUESTS)),
         "custody-publisher": ("^$", only(EXCHANGE_COMMANDS), "^$"),
-        "custody-receipts": ("^$", only(EXCHANGE_DEAD), only(QUEUE_RECEIPTS)),
+        # the receipt consumer publishes the submits of the successors it activates
+        "custody-receipts": ("^$", only(EXCHANGE_COMMANDS, EXCHANGE_DEAD), only(QUEUE_RECEIPTS)),
         "custody-reconciler": ("^$", "^$", "^$"),
         # the workflow front end: start and cancel requests, nothing else
         "custody-frontend": ("^$", only(EXCHANGE_REQUESTS), "^$"),

@@ -43,7 +43,7 @@ PART: Final = names.PARTICIPANT
 ENGINE_OWNER: Final = "engine"  # the ``owner`` of the engine's outbox
 
 TransitionKind = Literal["start", "successor", "deadline"]
-PauseScope = Literal["global", "publisher", "committer"]
+PauseScope = Literal["global", "publisher", "committer", "receipts"]
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,10 @@ def _gauge(name: str, doc: str, labels: Collection[str] = ()) -> Gauge:
 
 
 OUTBOX: Final = frozenset({P, PART})  # every outbox publisher: the engine's, a participant's
-# every process that sends outbox rows: the outboxes' publishers and the committer, which
-# sends the submits it commits (the publisher worker alone samples the engine's outbox)
-SENDERS: Final = OUTBOX | {C}
+# every process that sends outbox rows: the outboxes' publishers, and the committer and
+# the receipt consumer, which send the submits they commit (the publisher worker alone
+# samples the engine's outbox)
+SENDERS: Final = OUTBOX | {C, R}
 CONSUMERS: Final = frozenset({C, R, PART})
 LEASED: Final = frozenset(names.ENGINE_WORKERS)  # participants hold no lease
 EVERYONE: Final = frozenset(names.KINDS)
@@ -258,8 +259,8 @@ UNDECODABLE: Final = _counter(
 DISPATCH_PAUSED: Final = _gauge(
     "custody_dispatch_paused",
     "1 while effect dispatch (submits) is paused fleet-wide: scope global is the database"
-    " flag (custody dispatch pause), scope publisher or committer a process of that"
-    " worker (the engine's two senders of submits) started with CUSTODY_DISPATCH_PAUSED",
+    " flag (custody dispatch pause), scope publisher, committer or receipts a process of"
+    " that worker (the engine's senders of submits) started with CUSTODY_DISPATCH_PAUSED",
     ["owner", "scope"],
 )
 DISPATCH_PAUSED_INSTANCES: Final = _gauge(
@@ -286,18 +287,18 @@ FAMILIES: Final[tuple[Family, ...]] = (
     Family(RECEIPTS, frozenset({R}), {"verdict": _verdicts}),
     Family(QUARANTINED, CONSUMERS, {"source": _sources, "reason": _reasons}),
     Family(REDELIVERIES, CONSUMERS),
-    Family(TRANSITIONS, frozenset({C, X}), {"kind": _literal(TransitionKind)}),
+    Family(TRANSITIONS, frozenset({C, R, X}), {"kind": _literal(TransitionKind)}),
     Family(OPERATIONS, frozenset({X}), {"status": _statuses}),
     Family(LEASE_LOSSES, LEASED),
     Family(END_TO_END, frozenset({R})),
     Family(PARTICIPANT_COMMANDS, frozenset({PART}), {"decision": _decisions}),
     Family(UNIT_FAILURES, EVERYONE, {"kind": _retry_kinds}),
-    Family(ROUTE_DRIFT, frozenset({C}), {"route": _routes}),
+    Family(ROUTE_DRIFT, frozenset({C, R}), {"route": _routes}),
     Family(DEAD_LETTERED, CONSUMERS),
     Family(ACTIVATION_FAILURES, frozenset({C, R}), {"reason": _reasons}),
     Family(SUCCESSOR_PENDING, frozenset({X})),
     Family(UNDECODABLE, CONSUMERS),
-    Family(DISPATCH_PAUSED, frozenset({X, P, C}), {"scope": _literal(PauseScope)}),
+    Family(DISPATCH_PAUSED, frozenset({X, P, C, R}), {"scope": _literal(PauseScope)}),
     Family(DISPATCH_PAUSED_INSTANCES, frozenset({X})),
     Family(DISPATCH_HELD, frozenset({X})),
     Family(BUILD_INFO, EVERYONE, {"version": None, "revision": None, "python": None}),
@@ -332,16 +333,17 @@ def register(
     registry: CollectorRegistry = REGISTRY,
 ) -> tuple[Family, ...]:
     """Export the families worker ``worker`` (a :mod:`workers.core.names` name) owns,
-    and its build info; returns them. ``dispatch_paused``: the publisher's or the
-    committer's CUSTODY_DISPATCH_PAUSED; ``revision``: CUSTODY_GIT_REVISION (the image's build sets
-    it; empty: a git checkout's HEAD, else ``unknown``)."""
+    and its build info; returns them. ``dispatch_paused``: the publisher's, the
+    committer's or the receipt consumer's CUSTODY_DISPATCH_PAUSED; ``revision``:
+    CUSTODY_GIT_REVISION (the image's build sets it; empty: a git checkout's HEAD, else
+    ``unknown``)."""
     kind = names.kind_of(worker)
     families = owned(kind)
     _add(registry, families)
     built = revision or git_head(ROOT) or "unknown"
     BUILD_INFO.clear()  # one process, one build
     BUILD_INFO.labels(worker, version(), built, platform.python_version()).set(1)
-    if kind in (P, C):  # the engine's senders of submits
+    if kind in (P, C, R):  # the engine's senders of submits
         DISPATCH_PAUSED.labels(ENGINE_OWNER, kind).set(int(dispatch_paused))
     return families
 

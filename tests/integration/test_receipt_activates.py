@@ -1,0 +1,220 @@
+"""The receipt consumer activates the successor of a receipt it applies, in the receipt's
+own transaction (workers/engine/receipts.py, workers/engine/activate.py), where it
+locked the instance without waiting and found it running; the submit leaves from its
+own sender right after the commit. Real Postgres, real RabbitMQ.
+
+Issue 14 (light load: "a few fsync'd commits and two broker hops, not a poll
+interval"): no NOTIFY, no wake-up of the committer and no claim transaction stand
+between a receipt and the next command any more. What must not move:
+
+- "Workflow receipt application | A validated result and successor intent commit
+  once": the intent is written, done, in the commit that applies the result;
+- "Workflow transition | Node state, history, operation/attempt and dispatch intent
+  commit together": the successor's rows commit in that same transaction;
+- "A success that wins the race remains Succeeded on the operation, even when
+  cancellation prevents further successors": an instance whose row someone else holds
+  (a cancel, the committer) is not waited for; its intent is left pending to the
+  committer, which judges it under the instance's lock, as always;
+- "Before restoring a database, disable effect dispatch": a receipt consumer started
+  paused sends nothing; its successors' submits wait unclaimed for the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import psycopg
+
+from tests.conftest import Env, wait_until
+from tests.harness import PARTICIPANTS, InProcessFleet, drain, order, publish_starts
+from workers.io import broker
+
+
+@contextlib.asynccontextmanager
+async def _fleet(env: Env) -> AsyncIterator[InProcessFleet]:
+    fleet = InProcessFleet(env)
+    try:
+        yield fleet
+    finally:
+        await fleet.stop_all()
+
+
+async def _count(env: Env, sql: str) -> int:
+    return int(await env.scalar(sql))
+
+
+async def _is(env: Env, sql: str, n: int) -> bool:
+    return await _count(env, sql) == n
+
+
+async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction(
+    env: Env,
+) -> None:
+    """With the committer stopped once the first operation is on its way (and no
+    publisher running), instances still run to completion: each successor is activated
+    by the receipt consumer in the transaction that applied its predecessor's receipt
+    (the intent written done at that commit's time, the new operation created then), its
+    submit published by the receipt consumer's sender and marked after the confirm, and
+    the instance ended there too. No successor intent ever waited for the committer."""
+    async with _fleet(env) as fleet:
+        committer = fleet.start("committer")
+        for p in PARTICIPANTS:
+            fleet.start(p)
+        await publish_starts(env.settings, [order(i) for i in range(3)])
+        await wait_until(
+            lambda: _is(env, "SELECT count(*) FROM custody.operations", 3),
+            timeout=20,
+            what="3 first operations",
+        )
+        await fleet.stop(committer)
+        fleet.start("receipts")
+        await wait_until(
+            lambda: _is(
+                env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 3
+            ),
+            timeout=30,
+            what="3 instances completed without a committer",
+        )
+        fleet.check_alive()
+
+        intents = await env.sql(
+            "SELECT status, done_at = created_at FROM custody.successor_intents"
+        )
+        assert intents and set(intents) == {("done", True)}, intents
+        # every later operation was created in the transaction that applied the receipt of
+        # its predecessor, and dispatched by the receipt consumer's own confirm mark
+        later = await env.sql(
+            "SELECT o.status::text, o.created_at = s.done_at"
+            "  FROM custody.operations o JOIN custody.successor_intents s"
+            "    ON s.instance_id = o.instance_id AND s.next_node = o.node"
+        )
+        assert len(later) == 6 and set(later) == {("succeeded", True)}, later
+        rows = await env.sql(
+            "SELECT status, claimed_by, publish_attempts FROM custody.outbox WHERE kind = 'submit'"
+        )
+        assert rows == [("published", None, 1)] * 9
+        actors = await env.sql(
+            "SELECT DISTINCT actor FROM custody.history WHERE event = 'instance.completed'"
+        )
+        assert actors == [("receipts",)]
+
+
+async def test_an_instance_someone_else_holds_is_not_waited_for_and_is_left_to_the_committer(
+    env: Env,
+) -> None:
+    """While a transaction holds the instance's row (here a plain lock, as a cancel or
+    the committer's claim holds it), the receipt is still applied and acked, without
+    waiting: its result commits, and its successor intent is written pending. Once the
+    lock is gone, the committer activates it (so nothing is lost, and the instance's
+    status is judged under its lock, by whoever holds it)."""
+    async with _fleet(env) as fleet:
+        committer = fleet.start("committer")
+        for p in PARTICIPANTS:
+            fleet.start(p)
+        await publish_starts(env.settings, [order(0)])
+        await wait_until(
+            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
+            timeout=20,
+            what="the first operation",
+        )
+        await fleet.stop(committer)
+        async with await psycopg.AsyncConnection.connect(env.settings.database_url) as holder:
+            await holder.execute("SELECT 1 FROM custody.instances FOR UPDATE")
+            fleet.start("receipts")
+            await wait_until(
+                lambda: _is(
+                    env,
+                    "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+                    1,
+                ),
+                timeout=20,
+                what="the successor intent written pending",
+            )
+            assert await env.scalar("SELECT status::text FROM custody.operations") == "succeeded"
+            assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
+            await holder.rollback()
+        await asyncio.sleep(0.5)
+        assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
+        fleet.start("committer")
+        await wait_until(
+            lambda: _is(
+                env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 1
+            ),
+            timeout=30,
+            what="the instance completed",
+        )
+        fleet.check_alive()
+
+
+async def test_a_cancel_that_commits_first_is_seen_and_the_successor_is_not_activated(
+    env: Env,
+) -> None:
+    """A success that wins the race remains Succeeded on the operation, even when
+    cancellation prevents further successors: an instance that turned cancelling after
+    its operation was sent, before the receipt is applied, gets the result recorded and
+    no new operation; nothing more is sent."""
+    async with _fleet(env) as fleet:
+        committer = fleet.start("committer")
+        await publish_starts(env.settings, [order(0)])
+        await wait_until(
+            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
+            timeout=20,
+            what="the first operation",
+        )
+        await fleet.stop(committer)
+        # the cancel commits first (as custody.cancel_in sets it); the participant then
+        # answers the submit it already has
+        await env.sql("UPDATE custody.instances SET status = 'cancelling'")
+        for p in PARTICIPANTS:
+            fleet.start(p)
+        fleet.start("receipts")
+        await wait_until(
+            lambda: _is(
+                env, "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'", 1
+            ),
+            timeout=20,
+            what="the success recorded",
+        )
+        await asyncio.sleep(0.5)
+        fleet.check_alive()
+        assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
+        assert await env.sql("SELECT status FROM custody.successor_intents") in ([], [("pending",)])
+        assert await env.scalar("SELECT status::text FROM custody.instances") in (
+            "cancelling",
+            "cancelled",
+        )
+
+
+async def test_a_receipt_consumer_started_paused_sends_no_submit(env: Env) -> None:
+    """Before restoring a database, disable effect dispatch: a receipt consumer started
+    with CUSTODY_DISPATCH_PAUSED still activates the successor in the receipt's
+    transaction, but queues its submit unclaimed and sends nothing."""
+    async with _fleet(env) as fleet:
+        committer = fleet.start("committer")
+        for p in PARTICIPANTS:
+            fleet.start(p)
+        await publish_starts(env.settings, [order(0)])
+        await wait_until(
+            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
+            timeout=20,
+            what="the first operation",
+        )
+        await fleet.stop(committer)
+        fleet.start("receipts", dataclasses.replace(env.settings, dispatch_paused=True))
+        await wait_until(
+            lambda: _is(env, "SELECT count(*) FROM custody.operations", 2),
+            timeout=20,
+            what="the successor activated",
+        )
+        await asyncio.sleep(0.5)
+        fleet.check_alive()
+        second = await env.sql(
+            "SELECT x.status, x.claimed_by, x.publish_attempts"
+            "  FROM custody.outbox x JOIN custody.operations o ON o.id = x.operation_id"
+            " WHERE x.kind = 'submit' AND o.status = 'pending'"
+        )
+        assert second == [("pending", None, 0)]
+        assert await drain(env.settings, broker.command_queue("payments.v1"), timeout=1.0) == []
