@@ -56,7 +56,8 @@ class Context:
     ) -> outbox.OutboxPublisher:
         """A publisher of the engine's outbox on this worker's database, lease and
         broker, held by the start-up switch (CUSTODY_DISPATCH_PAUSED): the publisher
-        worker's, and the committer's sender of the submits it commits."""
+        worker's, and the committer's and the receipt consumer's senders of the submits
+        they commit."""
         s = self.settings
         return outbox.OutboxPublisher(
             owner="engine",

@@ -1,8 +1,8 @@
 """The restore runbook (DESIGN §7) as operator commands, never hand edits of rows.
 
 1. Before restoring, hold effect dispatch in a way the restore cannot undo: start the
-   engine's senders of submits, the publishers and the committers, with
-   ``CUSTODY_DISPATCH_PAUSED=true`` (and ``custody dispatch pause``).
+   engine's senders of submits, the publishers, the committers and the receipt
+   consumers, with ``CUSTODY_DISPATCH_PAUSED=true`` (and ``custody dispatch pause``).
 2. Restore the database; then ``custody restore mark-restored``: the database's own
    pause flag is set again and the restore generation is bumped.
 3. ``custody restore reconcile``: every operation the restored state does not know
@@ -12,8 +12,8 @@
 4. ``custody restore report``: participant journals against engine rows — work the
    restored engine does not know about, and what is still unresolved.
 5. ``custody restore resume``: refused while queries are unanswered (unless
-   ``--force``); clears the database flag. Then restart the publishers and the
-   committers without the start-up switch.
+   ``--force``); clears the database flag. Then restart the publishers, the
+   committers and the receipt consumers without the start-up switch.
 
 Re-created transitions get the same deterministic command identities, so the
 participants deduplicate whatever the lost future had already executed.
