@@ -218,3 +218,49 @@ async def test_a_receipt_consumer_started_paused_sends_no_submit(env: Env) -> No
         )
         assert second == [("pending", None, 0)]
         assert await drain(env.settings, broker.command_queue("payments.v1"), timeout=1.0) == []
+
+
+async def test_a_failed_activation_never_costs_the_receipt_its_application(env: Env) -> None:
+    """A unit whose activation fails for a reason a redo will not cure (here a grant the
+    deployment lacks: the receipt consumer may not insert into the outbox) is applied
+    again at once without activating: "A validated result and successor intent commit
+    once" still holds (the result and a pending intent), nothing is dead-lettered, and
+    the committer activates the successor once it runs."""
+    await env.sql("REVOKE INSERT ON custody.outbox FROM custody_receipts")
+    try:
+        async with _fleet(env) as fleet:
+            committer = fleet.start("committer")
+            for p in PARTICIPANTS:
+                fleet.start(p)
+            await publish_starts(env.settings, [order(0)])
+            await wait_until(
+                lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
+                timeout=20,
+                what="the first operation",
+            )
+            await fleet.stop(committer)
+            fleet.start("receipts")
+            await wait_until(
+                lambda: _is(
+                    env,
+                    "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+                    1,
+                ),
+                timeout=20,
+                what="the successor intent written pending",
+            )
+            fleet.check_alive()
+            assert await env.scalar("SELECT status::text FROM custody.operations") == "succeeded"
+            assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
+            assert await drain(env.settings, broker.QUEUE_DEAD, timeout=0.5) == []
+            await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")
+            fleet.start("committer")
+            await wait_until(
+                lambda: _is(
+                    env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 1
+                ),
+                timeout=30,
+                what="the instance completed",
+            )
+    finally:
+        await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")

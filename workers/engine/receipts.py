@@ -122,7 +122,8 @@ class ReceiptConsumer:
                 error=f"{type(exc).__name__}: {exc}"[:300],
                 then="applied without activating: the committer activates the successors",
             )
-            metrics.ACTIVATION_FAILURES.labels(Reason.ACTIVATION_FAILED).inc()
+            kind = exc.kind if isinstance(exc, errors.DatabaseError) else errors.Retry.FATAL
+            metrics.UNIT_FAILURES.labels(ACTOR, kind.value).inc()
             return await self._apply(deliveries, activating=False)
 
     async def _apply(self, deliveries: Sequence[broker.Delivery], *, activating: bool) -> list[str]:

@@ -245,7 +245,8 @@ DEAD_LETTERED: Final = _counter(
 )
 ACTIVATION_FAILURES: Final = _counter(
     "custody_activation_failures_total",
-    "Node activations the committer could not make: the instance was failed or suspended",
+    "Node activations the committer or the receipt consumer could not make: the instance"
+    " was failed or suspended",
     ["reason"],
 )
 SUCCESSOR_PENDING: Final = _gauge(
