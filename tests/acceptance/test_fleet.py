@@ -4,6 +4,7 @@ graceful SIGTERM of everything while work is in flight (DESIGN §1, §9; FAULTS 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -57,6 +58,25 @@ async def test_two_replicas_of_every_worker_claim_disjointly_and_apply_each_effe
     )
     leases = await env.sql("SELECT worker, count(*) FROM custody.leases GROUP BY 1 ORDER BY 1")
     assert leases == [("committer", 2), ("publisher", 2), ("receipts", 2), ("reconciler", 2)]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_stopped_while_still_starting_exits_cleanly(env: Env, crew: Crew) -> None:
+    """A SIGTERM while a worker is still importing (a scale-down or a rollout right after
+    a start; a second or more on a busy machine) is kept, not fatal: the worker starts
+    already stopping, begins nothing, logs its start and stop, and exits 0 (it died of
+    the signal, exit -15 and no line, before workers/runtime/stopping.py)."""
+    proc = crew.fleet.start("reconciler")
+    await asyncio.sleep(0.25)
+    if '"event":"worker.started"' in proc.log.read_text(errors="replace"):
+        pytest.skip("the worker started within 0.25 s: nothing to stop early")
+    assert proc.popen.poll() is None, proc.log.read_text(errors="replace")
+    proc.popen.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(proc.popen.wait, 30)
+    log = proc.log.read_text(errors="replace")
+    assert code == 0, log
+    assert '"event":"worker.stopped"' in log, log
+    assert await count(env, "SELECT count(*) FROM custody.leases") == 0, "a lease was left"
 
 
 @pytest.mark.timeout(120)

@@ -8,8 +8,14 @@ from the environment (``CUSTODY_*``, see ``custody config show``).
 
 from __future__ import annotations
 
-import importlib.metadata
 import sys
+
+from workers.runtime import stopping
+
+if stopping.runs_a_worker(sys.argv[1:]):
+    stopping.keep()  # before the imports: a SIGTERM while starting is a stop, not a kill
+
+import importlib.metadata
 from collections.abc import Sequence
 
 import click

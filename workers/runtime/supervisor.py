@@ -26,7 +26,7 @@ from typing import Any
 
 from workers import errors
 from workers.io import startup
-from workers.runtime import logs, loops, otel
+from workers.runtime import logs, loops, otel, stopping
 from workers.runtime.logs import event
 from workers.runtime.probes import Health, serve
 
@@ -61,6 +61,8 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
+    if stopping.asked():  # a SIGTERM while the process was still starting
+        stop.event.set()
     server = await serve(metrics_port, health) if metrics_port else None
     event(
         "worker.started",
