@@ -474,13 +474,15 @@ SELECT i.operation_id::text, min(i.accepted_at), max(o.published_at)
  GROUP BY i.operation_id
 """
 HOPS = (
-    "created → the participant begins accepting it (the rest of the committer's transaction"
-    " and its commit, the committer's publish of the submit, the delivery)",
+    "created → the participant begins accepting it (the rest of the transaction that"
+    " created it, the receipt consumer's or the committer's, and its commit, that worker's"
+    " publish of the submit, the delivery)",
     "the participant: acceptance begins → its receipt confirmed by the broker (inbox,"
     " handler, effect and receipt in one commit; the receipt's publish and confirm)",
     "receipt confirmed → the receipt consumer begins applying it (the delivery)",
-    "receipt applied → the next operation created (the receipt consumer's commit, the"
-    " successor's wake-up, the committer's claim)",
+    "receipt applied → the next operation created (0 when the receipt consumer activated"
+    " it in the receipt's own transaction; else its commit, the committer's wake-up and"
+    " claim)",
     "last receipt applied → the instance finished (as above, ending the instance)",
 )
 
