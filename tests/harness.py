@@ -122,6 +122,16 @@ class InProcessFleet:
 
 
 @contextlib.asynccontextmanager
+async def running(env: Any) -> AsyncIterator[InProcessFleet]:
+    """An in-process fleet whose workers are all stopped when the block ends."""
+    fleet = InProcessFleet(env)
+    try:
+        yield fleet
+    finally:
+        await fleet.stop_all()
+
+
+@contextlib.asynccontextmanager
 async def held_instances(env: Any) -> AsyncIterator[None]:
     """Every instance's row locked by another transaction (as a cancel or the committer's
     claim holds one) while the block runs: the receipt consumer, which locks an

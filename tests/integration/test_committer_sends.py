@@ -23,7 +23,6 @@ between a transition and its dispatch any more. What must not move:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
@@ -34,26 +33,17 @@ import psycopg
 
 from tests.conftest import Env, wait_until
 from tests.harness import (
-    InProcessFleet,
     client,
     drain,
     order,
     publish_starts,
     role_database,
+    running,
 )
 from workers.io import broker
 from workers.runtime.outbox import OutboxPublisher
 
 QUEUE = broker.command_queue("inventory.v1")  # the first node's (reserve) route
-
-
-@contextlib.asynccontextmanager
-async def _fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    fleet = InProcessFleet(env)
-    try:
-        yield fleet
-    finally:
-        await fleet.stop_all()
 
 
 async def _outbox(env: Env) -> list[tuple[object, ...]]:
@@ -79,7 +69,7 @@ async def test_a_committed_submit_leaves_from_the_committer_and_is_marked_after_
     row's id. The insert of a row claimed this way wakes no publisher (no NOTIFY)."""
     async with (
         await psycopg.AsyncConnection.connect(env.settings.database_url, autocommit=True) as ear,
-        _fleet(env) as fleet,
+        running(env) as fleet,
     ):
         await ear.execute("LISTEN custody_outbox")
         fleet.start("committer")
@@ -116,7 +106,7 @@ async def test_while_dispatch_is_paused_the_committer_sends_nothing_and_the_publ
     the publisher's claim holds it too. Once dispatch resumes, the publisher sends it,
     once, and the operation is dispatched."""
     await env.sql("UPDATE custody.control SET dispatch_paused = true")
-    async with _fleet(env) as fleet:
+    async with running(env) as fleet:
         fleet.start("committer")
         fleet.start("publisher")
         await publish_starts(env.settings, [order(0)])
@@ -147,7 +137,7 @@ async def test_a_committer_started_with_the_switch_sends_nothing_whatever_the_da
     a restored database may have it), a committer started with the switch commits the
     transition and sends nothing: its submit waits unclaimed."""
     held = dataclasses.replace(env.settings, dispatch_paused=True)
-    async with _fleet(env) as fleet:
+    async with running(env) as fleet:
         fleet.start("committer", held)
         await publish_starts(env.settings, [order(0)])
 

@@ -22,24 +22,13 @@ between a receipt and the next command any more. What must not move:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 
 import psycopg
 
 from tests.conftest import Env, wait_until
-from tests.harness import PARTICIPANTS, InProcessFleet, drain, order, publish_starts
+from tests.harness import PARTICIPANTS, InProcessFleet, drain, order, publish_starts, running
 from workers.io import broker
-
-
-@contextlib.asynccontextmanager
-async def _fleet(env: Env) -> AsyncIterator[InProcessFleet]:
-    fleet = InProcessFleet(env)
-    try:
-        yield fleet
-    finally:
-        await fleet.stop_all()
 
 
 async def _count(env: Env, sql: str) -> int:
@@ -48,6 +37,21 @@ async def _count(env: Env, sql: str) -> int:
 
 async def _is(env: Env, sql: str, n: int) -> bool:
     return await _count(env, sql) == n
+
+
+async def _first_operation_without_a_committer(env: Env, fleet: InProcessFleet) -> None:
+    """One order started, its first operation created by the committer, which then stops
+    (the participants run on): what follows is the receipt consumer's alone."""
+    committer = fleet.start("committer")
+    for p in PARTICIPANTS:
+        fleet.start(p)
+    await publish_starts(env.settings, [order(0)])
+    await wait_until(
+        lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
+        timeout=20,
+        what="the first operation",
+    )
+    await fleet.stop(committer)
 
 
 async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction(
@@ -59,7 +63,7 @@ async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction
     (the intent written done at that commit's time, the new operation created then), its
     submit published by the receipt consumer's sender and marked after the confirm, and
     the instance ended there too. No successor intent ever waited for the committer."""
-    async with _fleet(env) as fleet:
+    async with running(env) as fleet:
         committer = fleet.start("committer")
         for p in PARTICIPANTS:
             fleet.start(p)
@@ -110,17 +114,8 @@ async def test_an_instance_someone_else_holds_is_not_waited_for_and_is_left_to_t
     waiting: its result commits, and its successor intent is written pending. Once the
     lock is gone, the committer activates it (so nothing is lost, and the instance's
     status is judged under its lock, by whoever holds it)."""
-    async with _fleet(env) as fleet:
-        committer = fleet.start("committer")
-        for p in PARTICIPANTS:
-            fleet.start(p)
-        await publish_starts(env.settings, [order(0)])
-        await wait_until(
-            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
-            timeout=20,
-            what="the first operation",
-        )
-        await fleet.stop(committer)
+    async with running(env) as fleet:
+        await _first_operation_without_a_committer(env, fleet)
         async with await psycopg.AsyncConnection.connect(env.settings.database_url) as holder:
             await holder.execute("SELECT 1 FROM custody.instances FOR UPDATE")
             fleet.start("receipts")
@@ -156,7 +151,7 @@ async def test_a_cancel_that_commits_first_is_seen_and_the_successor_is_not_acti
     cancellation prevents further successors: an instance that turned cancelling after
     its operation was sent, before the receipt is applied, gets the result recorded and
     no new operation; nothing more is sent."""
-    async with _fleet(env) as fleet:
+    async with running(env) as fleet:
         committer = fleet.start("committer")
         await publish_starts(env.settings, [order(0)])
         await wait_until(
@@ -192,17 +187,8 @@ async def test_a_receipt_consumer_started_paused_sends_no_submit(env: Env) -> No
     """Before restoring a database, disable effect dispatch: a receipt consumer started
     with CUSTODY_DISPATCH_PAUSED still activates the successor in the receipt's
     transaction, but queues its submit unclaimed and sends nothing."""
-    async with _fleet(env) as fleet:
-        committer = fleet.start("committer")
-        for p in PARTICIPANTS:
-            fleet.start(p)
-        await publish_starts(env.settings, [order(0)])
-        await wait_until(
-            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
-            timeout=20,
-            what="the first operation",
-        )
-        await fleet.stop(committer)
+    async with running(env) as fleet:
+        await _first_operation_without_a_committer(env, fleet)
         fleet.start("receipts", dataclasses.replace(env.settings, dispatch_paused=True))
         await wait_until(
             lambda: _is(env, "SELECT count(*) FROM custody.operations", 2),
@@ -228,17 +214,8 @@ async def test_a_failed_activation_never_costs_the_receipt_its_application(env: 
     the committer activates the successor once it runs."""
     await env.sql("REVOKE INSERT ON custody.outbox FROM custody_receipts")
     try:
-        async with _fleet(env) as fleet:
-            committer = fleet.start("committer")
-            for p in PARTICIPANTS:
-                fleet.start(p)
-            await publish_starts(env.settings, [order(0)])
-            await wait_until(
-                lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
-                timeout=20,
-                what="the first operation",
-            )
-            await fleet.stop(committer)
+        async with running(env) as fleet:
+            await _first_operation_without_a_committer(env, fleet)
             fleet.start("receipts")
             await wait_until(
                 lambda: _is(
