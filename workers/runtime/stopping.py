@@ -5,8 +5,8 @@ SIGTERM handler (:func:`workers.runtime.supervisor.run`) comes after them: a SIG
 in between (a scale-down, a rollout, a test's fleet stopped right after its work) would
 end the process by the signal's default action, exit code -15 and no line logged. The
 entry point keeps such a request instead (:func:`keep`, before its imports; standard
-library only), and ``run`` starts the worker already stopping: it drains at once, with
-nothing begun, and exits 0.
+library only), and ``run`` then begins nothing (no connection, no consumer), logs
+``worker.stopped`` and exits 0.
 """
 
 from __future__ import annotations

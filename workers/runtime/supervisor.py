@@ -61,8 +61,9 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.event.set)
-    if stopping.asked():  # a SIGTERM while the process was still starting
-        stop.event.set()
+    if stopping.asked():  # a SIGTERM while the process was still starting: begin nothing
+        event("worker.stopped", worker=name, exit_code=0, uptime_s=0.0)
+        return 0
     server = await serve(metrics_port, health) if metrics_port else None
     event(
         "worker.started",
