@@ -5,6 +5,8 @@ catch-all tuples)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aio_pika
 import aiormq
 import pytest
@@ -27,6 +29,28 @@ def test_a_runtime_error_raised_inside_aio_pika_is_a_transport_error() -> None:
     with pytest.raises(RuntimeError) as raised:
         callbacks.add(lambda *_: None)
     assert is_transport_error(raised.value)
+
+
+async def test_a_future_aiormq_fails_without_a_reason_is_a_transport_error() -> None:
+    """aiormq fails the futures of a channel or connection that closes without a reason
+    (a publish's confirm among them) with a bare ``Exception``: awaited inside the
+    client, it is a transport error (a chaos run's receipt consumer crashed on one, its
+    sender's confirm, while RabbitMQ restarted); a bare Exception of custody's own is a
+    bug."""
+    store = aiormq.base.FutureStore(asyncio.get_running_loop())
+    confirm = store.create_future()
+    await store.reject_all(None)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 (the bare Exception is the point)
+        await aiormq.tools.awaitable(lambda: confirm)()
+    assert type(raised.value) is Exception
+    assert is_transport_error(raised.value)
+
+    def ours() -> None:
+        raise Exception()
+
+    with pytest.raises(Exception) as raised:  # noqa: PT011
+        ours()
+    assert not is_transport_error(raised.value)
 
 
 def test_a_runtime_error_of_custodys_own_is_a_bug() -> None:

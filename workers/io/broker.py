@@ -309,11 +309,14 @@ def is_transport_error(exc: BaseException) -> bool:
     ``RuntimeError`` raised inside aio-pika or aiormq, or by the transport under them
     (asyncio's "Cannot call write() after write_eof()" while a connection closes): about
     their state while a robust connection reconnects ("Connection was not opened", "...
-    closed"). A RuntimeError that never passed through the client is a bug, never
-    mistaken for a broker outage."""
+    closed"). So is a plain ``Exception`` raised inside them: aiormq fails the futures of
+    a channel that closes without a reason (a publish's confirm among them) with a bare
+    ``Exception`` (``FutureStore.reject_all(None)``; a chaos run's receipt consumer
+    crashed on one while RabbitMQ restarted). Either, when it never passed through the
+    client, is a bug, never mistaken for a broker outage."""
     if isinstance(exc, _TRANSPORT_ERRORS):
         return True
-    if not isinstance(exc, RuntimeError):
+    if not isinstance(exc, RuntimeError) and type(exc) is not Exception:
         return False
     tb = exc.__traceback__
     while tb is not None:

@@ -96,7 +96,8 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
                 # which is a drain, not a crash
                 event("worker.drain_gave_up", logging.WARNING, worker=name, error=repr(exc))
             else:
-                event("worker.crashed", logging.ERROR, worker=name, error=repr(exc))
+                # with its traceback: a crash must say where it came from
+                event("worker.crashed", logging.ERROR, worker=name, error=repr(exc), exc_info=exc)
                 code = 2 if isinstance(exc, errors.CustodyError) else 1
         elif not stop.requested:
             event("worker.exited_unexpectedly", logging.ERROR, worker=name)
