@@ -24,10 +24,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import psycopg
-
 from tests.conftest import Env, wait_until
-from tests.harness import PARTICIPANTS, InProcessFleet, drain, order, publish_starts, running
+from tests.harness import (
+    PARTICIPANTS,
+    InProcessFleet,
+    drain,
+    held_instances,
+    order,
+    publish_starts,
+    running,
+)
 from workers.io import broker
 
 
@@ -39,6 +45,11 @@ async def _is(env: Env, sql: str, n: int) -> bool:
     return await _count(env, sql) == n
 
 
+async def _until(env: Env, sql: str, n: int, what: str, timeout: float = 20) -> None:
+    """Wait until the count ``sql`` reads is ``n``."""
+    await wait_until(lambda: _is(env, sql, n), timeout=timeout, what=what)
+
+
 async def _first_operation_without_a_committer(env: Env, fleet: InProcessFleet) -> None:
     """One order started, its first operation created by the committer, which then stops
     (the participants run on): what follows is the receipt consumer's alone."""
@@ -46,11 +57,7 @@ async def _first_operation_without_a_committer(env: Env, fleet: InProcessFleet) 
     for p in PARTICIPANTS:
         fleet.start(p)
     await publish_starts(env.settings, [order(0)])
-    await wait_until(
-        lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
-        timeout=20,
-        what="the first operation",
-    )
+    await _until(env, "SELECT count(*) FROM custody.operations", 1, "the first operation")
     await fleet.stop(committer)
 
 
@@ -68,19 +75,15 @@ async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction
         for p in PARTICIPANTS:
             fleet.start(p)
         await publish_starts(env.settings, [order(i) for i in range(3)])
-        await wait_until(
-            lambda: _is(env, "SELECT count(*) FROM custody.operations", 3),
-            timeout=20,
-            what="3 first operations",
-        )
+        await _until(env, "SELECT count(*) FROM custody.operations", 3, "3 first operations")
         await fleet.stop(committer)
         fleet.start("receipts")
-        await wait_until(
-            lambda: _is(
-                env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 3
-            ),
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+            3,
+            "3 instances completed without a committer",
             timeout=30,
-            what="3 instances completed without a committer",
         )
         fleet.check_alive()
 
@@ -116,30 +119,25 @@ async def test_an_instance_someone_else_holds_is_not_waited_for_and_is_left_to_t
     status is judged under its lock, by whoever holds it)."""
     async with running(env) as fleet:
         await _first_operation_without_a_committer(env, fleet)
-        async with await psycopg.AsyncConnection.connect(env.settings.database_url) as holder:
-            await holder.execute("SELECT 1 FROM custody.instances FOR UPDATE")
+        async with held_instances(env):  # as a cancel or the committer's claim holds it
             fleet.start("receipts")
-            await wait_until(
-                lambda: _is(
-                    env,
-                    "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
-                    1,
-                ),
-                timeout=20,
-                what="the successor intent written pending",
+            await _until(
+                env,
+                "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+                1,
+                "the successor intent written pending",
             )
             assert await env.scalar("SELECT status::text FROM custody.operations") == "succeeded"
             assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
-            await holder.rollback()
         await asyncio.sleep(0.5)
         assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
         fleet.start("committer")
-        await wait_until(
-            lambda: _is(
-                env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 1
-            ),
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+            1,
+            "the instance completed",
             timeout=30,
-            what="the instance completed",
         )
         fleet.check_alive()
 
@@ -154,11 +152,7 @@ async def test_a_cancel_that_commits_first_is_seen_and_the_successor_is_not_acti
     async with running(env) as fleet:
         committer = fleet.start("committer")
         await publish_starts(env.settings, [order(0)])
-        await wait_until(
-            lambda: _is(env, "SELECT count(*) FROM custody.operations", 1),
-            timeout=20,
-            what="the first operation",
-        )
+        await _until(env, "SELECT count(*) FROM custody.operations", 1, "the first operation")
         await fleet.stop(committer)
         # the cancel commits first (as custody.cancel_in sets it); the participant then
         # answers the submit it already has
@@ -166,12 +160,11 @@ async def test_a_cancel_that_commits_first_is_seen_and_the_successor_is_not_acti
         for p in PARTICIPANTS:
             fleet.start(p)
         fleet.start("receipts")
-        await wait_until(
-            lambda: _is(
-                env, "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'", 1
-            ),
-            timeout=20,
-            what="the success recorded",
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.operations WHERE status = 'succeeded'",
+            1,
+            "the success recorded",
         )
         await asyncio.sleep(0.5)
         fleet.check_alive()
@@ -190,11 +183,7 @@ async def test_a_receipt_consumer_started_paused_sends_no_submit(env: Env) -> No
     async with running(env) as fleet:
         await _first_operation_without_a_committer(env, fleet)
         fleet.start("receipts", dataclasses.replace(env.settings, dispatch_paused=True))
-        await wait_until(
-            lambda: _is(env, "SELECT count(*) FROM custody.operations", 2),
-            timeout=20,
-            what="the successor activated",
-        )
+        await _until(env, "SELECT count(*) FROM custody.operations", 2, "the successor activated")
         await asyncio.sleep(0.5)
         fleet.check_alive()
         second = await env.sql(
@@ -217,14 +206,11 @@ async def test_a_failed_activation_never_costs_the_receipt_its_application(env: 
         async with running(env) as fleet:
             await _first_operation_without_a_committer(env, fleet)
             fleet.start("receipts")
-            await wait_until(
-                lambda: _is(
-                    env,
-                    "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
-                    1,
-                ),
-                timeout=20,
-                what="the successor intent written pending",
+            await _until(
+                env,
+                "SELECT count(*) FROM custody.successor_intents WHERE status = 'pending'",
+                1,
+                "the successor intent written pending",
             )
             fleet.check_alive()
             assert await env.scalar("SELECT status::text FROM custody.operations") == "succeeded"
@@ -232,12 +218,12 @@ async def test_a_failed_activation_never_costs_the_receipt_its_application(env: 
             assert await drain(env.settings, broker.QUEUE_DEAD, timeout=0.5) == []
             await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")
             fleet.start("committer")
-            await wait_until(
-                lambda: _is(
-                    env, "SELECT count(*) FROM custody.instances WHERE status = 'completed'", 1
-                ),
+            await _until(
+                env,
+                "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+                1,
+                "the instance completed",
                 timeout=30,
-                what="the instance completed",
             )
     finally:
         await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")

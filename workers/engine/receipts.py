@@ -113,7 +113,7 @@ class ReceiptConsumer:
         try:
             return await self._apply(deliveries, activating=True)
         except Exception as exc:
-            if _redone(exc):
+            if supervisor.transient(exc):  # redone as it is by the consume loop
                 raise
             logs.event(
                 "receipts.activation_failed",
@@ -365,16 +365,6 @@ async def write(tx: db.Tx, w: Writes) -> None:
             if c.history is not None and await tx.run(query, c.params()):
                 await tx.send("history_insert", c.history.params(db.jsonb))
     await tx.send_many("history_insert", [h.params(db.jsonb) for h in w.history])
-
-
-def _redone(exc: Exception) -> bool:
-    """Whether the consume loop redoes the unit for this failure as it is (transient, in
-    doubt, fenced), so that nothing is to be done differently."""
-    return isinstance(exc, errors.DatabaseError) and exc.kind in (
-        errors.Retry.RETRY,
-        errors.Retry.IN_DOUBT,
-        errors.Retry.FENCED,
-    )
 
 
 def _alert_definition_missing(row: records.OperationRow | None, error: str) -> None:

@@ -90,7 +90,7 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
                 code = 3
         if task.done() and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            if stop.requested and exc is not None and _transient(exc):
+            if stop.requested and exc is not None and transient(exc):
                 # stopped while Postgres or RabbitMQ was down: the unit being redone was
                 # given up (nothing acked, nothing committed; it is redone elsewhere),
                 # which is a drain, not a crash
@@ -114,8 +114,9 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
     return code
 
 
-def _transient(exc: BaseException) -> bool:
-    """A database or broker failure that a redo would wait out (not a bad deployment)."""
+def transient(exc: BaseException) -> bool:
+    """A database or broker failure that a redo would wait out (not a bad deployment):
+    what :func:`redo` redoes as it is (a fenced unit after re-acquiring the lease)."""
     return isinstance(exc, (errors.DatabaseError, errors.BrokerError)) and exc.kind not in (
         errors.Retry.FATAL,
         errors.Retry.BROKEN,
