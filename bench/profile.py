@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -207,6 +208,9 @@ class Sampler:
             if problems and not self.profiles:
                 raise BenchFailure("py-spy sampled nothing: " + "; ".join(problems))
         finally:
+            keep = os.environ.get("BENCH_PROFILE_KEEP")
+            if keep:
+                shutil.copytree(self._dir, keep, dirs_exist_ok=True)
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
