@@ -36,6 +36,61 @@ class CanonicalFormError(ValueError):
 
 def check_json_value(value: object, depth: int = 0) -> None:
     """Raise :class:`CanonicalFormError` unless ``value`` is in the digest domain."""
+    if not plainly_in_domain(value, depth):
+        check_each_value(value, depth)  # says why (or finds it in after all: a subclass, say)
+
+
+def plainly_in_domain(value: object, depth: int) -> bool:
+    """True only if ``value`` is in the digest domain, made of the plain built-in types
+    (``dict``, ``list``, ``str``, ``int``, ``bool``, None) that decoded JSON is: the
+    hot path (every command and receipt is checked, in every worker), a loop instead
+    of a call per value. False says nothing: :func:`check_each_value` decides, and says why."""
+    if type(value) not in (dict, list):
+        return False
+    todo: list[tuple[Any, int]] = [(value, depth)]
+    while todo:
+        container, level = todo.pop()
+        if level >= MAX_DEPTH:  # its items would be deeper than allowed (if it has any)
+            return False
+        items: Any
+        if type(container) is dict:
+            for key in container:
+                if type(key) is not str or not _plain_string(key):
+                    return False
+            items = container.values()
+        else:
+            items = container
+        for item in items:
+            kind = type(item)
+            if kind is str:
+                if not _plain_string(item):
+                    return False
+            elif kind is int:
+                if not -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
+                    return False
+            elif kind is dict or kind is list:
+                todo.append((item, level + 1))
+            elif item is not None and kind is not bool:
+                return False
+    return True
+
+
+def _plain_string(value: str) -> bool:
+    # an ASCII string (a flag CPython keeps) cannot hold a lone surrogate
+    return "\x00" not in value and (value.isascii() or _encodes(value))
+
+
+def _encodes(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_each_value(value: object, depth: int = 0) -> None:
+    """:func:`check_json_value` one value at a time, of any types: the reference its
+    fast path is tested against, and what says why a value is refused."""
     if depth > MAX_DEPTH:
         raise CanonicalFormError(f"nested deeper than {MAX_DEPTH} levels")
     if value is None or isinstance(value, bool):
@@ -51,14 +106,14 @@ def check_json_value(value: object, depth: int = 0) -> None:
         raise CanonicalFormError("floats are not allowed; send decimals as strings")
     if isinstance(value, list):
         for item in value:
-            check_json_value(item, depth + 1)
+            check_each_value(item, depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CanonicalFormError("object keys must be strings")
             _check_string(key)
-            check_json_value(item, depth + 1)
+            check_each_value(item, depth + 1)
         return
     raise CanonicalFormError(f"{type(value).__name__} is not a JSON value")
 

@@ -390,3 +390,68 @@ def test_key_insertion_order_never_changes_the_digest(value: dict[str, Any], rnd
 @given(_OBJECTS)
 def test_canonical_bytes_are_valid_json_that_reads_back_equal(value: dict[str, Any]) -> None:
     assert orjson.loads(digest.canonical_bytes(value)) == value
+
+
+_ANY_TEXT = st.text(max_size=6) | st.sampled_from(["a\x00", "\ud800", "é", "\x00"])
+_ANY = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.sampled_from([MAX_SAFE_INTEGER, -MAX_SAFE_INTEGER, MAX_SAFE_INTEGER + 1, 1.5])
+    | _ANY_TEXT,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(_ANY_TEXT | st.integers(0, 2), children, max_size=3)
+        | st.tuples(children)
+    ),
+    max_leaves=20,
+)
+
+
+def _verdict(check: Any, value: Any, depth: int) -> str | None:
+    try:
+        check(value, depth)
+    except CanonicalFormError as exc:
+        return str(exc)
+    return None
+
+
+@FAST
+@given(_ANY, st.integers(min_value=0, max_value=MAX_DEPTH + 1))
+def test_the_fast_domain_check_decides_as_the_plain_one(value: Any, depth: int) -> None:
+    """check_json_value's loop over plain JSON types (the hot path) accepts exactly what
+    the value-by-value check accepts, and refuses with the same reason."""
+    assert _verdict(digest.check_json_value, value, depth) == _verdict(
+        digest.check_each_value, value, depth
+    )
+    if digest.plainly_in_domain(value, depth):
+        assert _verdict(digest.check_each_value, value, depth) is None
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH - 2, MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1])
+@pytest.mark.parametrize("leaf", [[], [1], {"k": "v"}, {}], ids=["[]", "[1]", "{k}", "{}"])
+def test_the_fast_domain_check_keeps_the_depth_bound(levels: int, leaf: Any) -> None:
+    value: Any = leaf
+    for _ in range(levels):
+        value = [value]
+    for depth in (0, 1):
+        assert _verdict(digest.check_json_value, value, depth) == _verdict(
+            digest.check_each_value, value, depth
+        )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [MAX_SAFE_INTEGER + 1, -MAX_SAFE_INTEGER - 1, 1.5, "a\x00", "\ud800", (1,), b"x"],
+    ids=["above", "below", "float", "nul", "surrogate", "tuple", "bytes"],
+)
+@pytest.mark.parametrize("where", ["list", "value", "key"])
+def test_the_fast_domain_check_refuses_each_value_outside_the_domain(bad: Any, where: str) -> None:
+    if where == "key" and not isinstance(bad, str | int):
+        value: Any = {"k": {(): bad}}  # not a valid key either way
+    else:
+        value = {"list": [1, bad], "value": {"k": bad}, "key": {bad: 1}}[where]
+    assert _verdict(digest.check_json_value, value, 0) is not None
+    assert _verdict(digest.check_json_value, value, 0) == _verdict(
+        digest.check_each_value, value, 0
+    )
