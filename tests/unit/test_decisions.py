@@ -220,7 +220,8 @@ def row(**changes: Any) -> records.OperationRow:
         "effect": "unknown",
         "owner_revision": 0,
         "receipt_hash": None,
-        "lineage": {"process": "p", "process_version": 1},
+        "process": "p",
+        "process_version": 1,
         "created_at": T0,
         "instance_status": "running",
     }

@@ -73,7 +73,7 @@ def _reserved(instance: dict[str, Any], w: Writes, nxt: str = "charge") -> recor
         effect=lifecycle.Effect.UNKNOWN,
         owner_revision=0,
         receipt_hash=None,
-        lineage={"process": "order-fulfilment", "process_version": 1},
+        process=("order-fulfilment", 1),
         created_at=datetime.now(UTC),
         instance_status=IS.RUNNING,
     )

@@ -139,7 +139,7 @@ class OperationRow:
     effect: lifecycle.Effect
     owner_revision: int
     receipt_hash: str | None
-    lineage: Mapping[str, Any]
+    process: tuple[str, int]  # the pinned process name and version (its lineage's)
     created_at: datetime
     instance_status: lifecycle.InstanceStatus
 
@@ -157,15 +157,10 @@ class OperationRow:
             effect=lifecycle.Effect(row["effect"]),
             owner_revision=row["owner_revision"],
             receipt_hash=row["receipt_hash"],
-            lineage=row["lineage"],
+            process=(row["process"], row["process_version"]),
             created_at=row["created_at"],
             instance_status=lifecycle.InstanceStatus(row["instance_status"]),
         )
-
-    @property
-    def process(self) -> tuple[str, int]:
-        """The pinned process name and version."""
-        return self.lineage["process"], int(self.lineage["process_version"])
 
     def view(self) -> validation.OperationView:
         return validation.OperationView(
