@@ -231,7 +231,7 @@ async def test_a_participants_receipt_continues_the_commands_trace(env: Env, cre
             if got is not None:
                 receipts.append(got)
             # one terminal receipt per operation (the samples' handlers run inline:
-            # their accepted receipts are journaled, not sent)
+            # they make no accepted receipt)
             return got is None and len(receipts) >= 3
 
         await crew.wait(drained, timeout=20, what="the receipts on the spy queue")

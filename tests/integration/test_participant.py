@@ -98,7 +98,7 @@ async def test_same_command_delivered_twice_executes_once_with_identical_receipt
         participant=True,
     )
     assert effects == 1
-    # the samples' handlers run inline: the accepted receipt is journaled, never sent
+    # the samples' handlers run inline: no accepted receipt, only the terminal one
     assert [_receipt(d.body).status for d in first] == ["succeeded"]
     assert len(again) == 1, "the duplicate must be answered with the existing receipt"
     assert again[0].body == first[-1].body

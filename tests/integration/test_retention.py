@@ -151,8 +151,8 @@ async def test_cleanup_removes_settled_history_older_than_the_horizon_in_batches
     )
     cleaned = await custody(env, "retention", "cleanup", "--participant", "inventory", "--json")
     assert cleaned.returncode == 0, cleaned.stderr
-    # one outbox row per command: the samples' handlers run inline, so the accepted
-    # receipt is journaled only and the terminal one is the row that was sent
+    # one outbox row per command: the samples' handlers run inline, so there is no
+    # accepted receipt and the terminal one is the row that was sent
     assert '"inbox": 1' in cleaned.stdout and '"outbox": 3' in cleaned.stdout
     left = await env.sql(
         "SELECT request_id::text FROM participant_inventory.inbox ORDER BY 1", participant=True

@@ -26,9 +26,10 @@ are answered before it ends, which raises the error in the handler that caused i
 
 A participant may declare some operations *inline*: handlers fast enough to run in
 the acceptance transaction itself. Both durable facts then commit together before the
-ack (inbox row, effect, terminal receipt); the ``accepted`` receipt is journaled but
-never sent. A handler that fails with a bug, or meets a transient conflict, leaves
-its command accepted for the executor, as if it had not been inline.
+ack (inbox row, effect, terminal receipt); no ``accepted`` receipt is made for such a
+command (it would be overtaken before it could be sent, said to no one). A handler that
+fails with a bug, or meets a transient conflict, leaves its command accepted for the
+executor, as if it had not been inline.
 
 A repeated command with the same digest gets the existing receipt again (same id,
 same bytes) and never runs the handler again; the same identity with a different
@@ -387,7 +388,22 @@ class Participant:
                             }
                         )
                     )
+            settled: list[OperationReceipt] = []  # the cancels' receipts
+            for d, c in cancels:
+                receipt = await self._cancel(tx, c, refused, conflicts, d)
+                if receipt is None:
+                    reemit.append(c.submit_request_id)
+                else:
+                    settled.append(receipt)
+            done = await self._complete_inline(tx, fresh, settled, trace)
+            # A command whose handler completed inline says only its terminal receipt:
+            # its acceptance is durable all the same (the inbox row, in this commit), and
+            # an ``accepted`` receipt overtaken before it could be sent would be said to
+            # no one, so it is neither made nor journaled (revision 1 is then unused).
+            ran = {r.request_id for r in done}
             for c, status, code in fresh:
+                if c.request_id in ran:
+                    continue
                 receipts.append(
                     make_receipt(
                         _cmd(c),
@@ -402,23 +418,13 @@ class Participant:
                         else None,
                     )
                 )
-            for d, c in cancels:
-                receipt = await self._cancel(tx, c, refused, conflicts, d)
-                if receipt is None:
-                    reemit.append(c.submit_request_id)
-                else:
-                    receipts.append(receipt)
-            done, overtaken = await self._complete_inline(tx, fresh, receipts, trace)
+            receipts += settled
             # accepted commands that did not complete inline wait for the executor
             left = sum(1 for _, status, _ in fresh if status == acceptance.Verdict.ACCEPTED.value)
             left_for_executor = left > len(done)
             # journal first: a query in the same batch sees what this batch accepted
             queued = await self._emit(
-                tx,
-                [*receipts, *done],
-                unjournaled=conflict_answers,
-                trace=trace,
-                journal_only=overtaken,
+                tx, [*receipts, *done], unjournaled=conflict_answers, trace=trace
             )
             if queries:
                 answered = await self._emit(tx, [], await self._answers(tx, queries), trace=trace)
@@ -459,16 +465,16 @@ class Participant:
         fresh: Sequence[tuple[SubmitCommand, str, str]],
         receipts: Sequence[OperationReceipt],
         trace: dict[str, str | None],
-    ) -> tuple[list[OperationReceipt], set[str]]:
+    ) -> list[OperationReceipt]:
         """Run the handlers of the batch's new commands whose operations are ``inline``,
         in this acceptance transaction (see :meth:`_run_one`), so that acceptance, effect
         and terminal receipt commit together before the ack. Returns the terminal
-        receipts and the ids of the ``accepted`` receipts they overtake (journaled, not
-        sent). A command cancelled in this batch does not run; one whose handler failed
-        with a bug or hit a transient conflict stays accepted for the executor. A
-        terminal receipt continues its handler's span in ``trace``."""
+        receipts. A command cancelled in this batch (``receipts``: the cancels') does not
+        run; one whose handler failed with a bug or hit a transient conflict stays
+        accepted for the executor. A terminal receipt continues its handler's span in
+        ``trace``."""
         if not self.inline:
-            return [], set()
+            return []
         cancelled = {r.request_id for r in receipts if r.status == "cancelled"}
         done: list[OperationReceipt] = []
         for c, status, _ in fresh:
@@ -495,7 +501,7 @@ class Participant:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
         await _complete(tx, done, careful=self._careful_unit)
-        return done, {identity.receipt_id(r.request_id, 1) for r in done}
+        return done
 
     async def _insert(
         self,
@@ -686,10 +692,8 @@ class Participant:
         answers: Sequence[QueryAnswer] = (),
         unjournaled: Sequence[OperationReceipt] = (),
         trace: Mapping[str, str | None] | None = None,
-        journal_only: Collection[str] = (),
     ) -> Queued:
-        """Journal our receipts (they answer later queries) and queue everything we say
-        (but the receipts in ``journal_only``, overtaken before they could be sent).
+        """Journal our receipts (they answer later queries) and queue everything we say.
         The receipts are queued claimed by our own publisher (``self.sender``), to be
         handed to it after the commit; answers are queued for any publisher's claim."""
         bodies = [(r, codec.encode(r)) for r in receipts]
@@ -713,7 +717,6 @@ class Participant:
         rows = [
             _outbox_row(r.receipt_id, b, r.operation_id, tp(r.in_reply_to, r.request_id))
             for r, b in bodies
-            if r.receipt_id not in journal_only
         ]
         rows += [
             _outbox_row(r.receipt_id, codec.encode(r), r.operation_id, tp(r.in_reply_to))
