@@ -394,7 +394,7 @@ class Report:
                     f"**{c.ops_per_s:,.0f}**",
                     f"{c.workflows_per_s:,.0f}",
                     f"**{_ratio(head.ops_per_s / c.ops_per_s)}**",
-                    f"{1000 * c.cpu.own / c.ops:.1f}",
+                    f"{1000 * c.cpu.own / c.ops:.2f}",
                     light,
                     _mib(c.cpu.worker_rss_kib(WORKER_GROUPS)),
                     _pace(c.cpu),
@@ -410,7 +410,7 @@ class Report:
                     f"**{r.ops_per_s:,.0f}**",
                     f"{r.workflows_per_s:,.0f}",
                     f"**{_ratio(head.ops_per_s / r.ops_per_s)}**",
-                    f"{1000 * r.cpu.own / r.ops:.1f}",
+                    f"{1000 * r.cpu.own / r.ops:.2f}",
                     f"{_ms(r.light_step_p50_ms)} / {_ms(r.light_step_p99_ms)}",
                     _mib(r.cpu.worker_rss_kib(WORKER_GROUPS)),
                     _pace(r.cpu),
@@ -425,7 +425,7 @@ class Report:
                 f"{b.ops_per_s:,.0f}",
                 "",
                 _ratio(head.ops_per_s / b.ops_per_s),
-                f"{1000 * b.cpu.own / b.ops:.1f}",
+                f"{1000 * b.cpu.own / b.ops:.2f}",
                 "",
                 _mib(b.cpu.worker_rss_kib(WORKER_GROUPS)),
                 _pace(b.cpu),
@@ -535,7 +535,7 @@ class Report:
                 f"{b.seconds:.1f}",
                 f"**{b.ops_per_s:,.0f}**",
                 "1.00",
-                f"{1000 * b.cpu.own / b.ops:.1f}",
+                f"{1000 * b.cpu.own / b.ops:.2f}",
             ]
         ]
         for c in self.custody:
@@ -553,7 +553,7 @@ class Report:
                     f"{c.seconds:.1f}",
                     f"**{c.ops_per_s:,.0f}**",
                     f"**{c.ops_per_s / b.ops_per_s:.2f}**",
-                    f"{1000 * c.cpu.own / c.ops:.1f}",
+                    f"{1000 * c.cpu.own / c.ops:.2f}",
                 ]
             )
         for r in self.peers:
@@ -564,7 +564,7 @@ class Report:
                     f"{r.seconds:.1f}",
                     f"**{r.ops_per_s:,.0f}**",
                     f"{r.ops_per_s / b.ops_per_s:.2f}",
-                    f"{1000 * r.cpu.own / r.ops:.1f}",
+                    f"{1000 * r.cpu.own / r.ops:.2f}",
                 ]
             )
         lines += _table(
