@@ -55,7 +55,7 @@ def plainly_in_domain(value: object, depth: int) -> bool:
         items: Any
         if type(container) is dict:
             for key in container:
-                if type(key) is not str or not _plain_string(key):
+                if type(key) is not str or "\x00" in key or not (key.isascii() or _encodes(key)):
                     return False
             items = container.values()
         else:
@@ -63,7 +63,8 @@ def plainly_in_domain(value: object, depth: int) -> bool:
         for item in items:
             kind = type(item)
             if kind is str:
-                if not _plain_string(item):
+                # an ASCII string (a flag CPython keeps) cannot hold a lone surrogate
+                if "\x00" in item or not (item.isascii() or _encodes(item)):
                     return False
             elif kind is int:
                 if not -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
@@ -73,11 +74,6 @@ def plainly_in_domain(value: object, depth: int) -> bool:
             elif item is not None and kind is not bool:
                 return False
     return True
-
-
-def _plain_string(value: str) -> bool:
-    # an ASCII string (a flag CPython keeps) cannot hold a lone surrogate
-    return "\x00" not in value and (value.isascii() or _encodes(value))
 
 
 def _encodes(value: str) -> bool:
