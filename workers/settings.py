@@ -106,6 +106,12 @@ class Settings:
     # The asyncio event loop every command and worker runs on: uvloop (libuv's, in C:
     # less CPU per delivery, statement and wake-up) or asyncio (the standard library's)
     event_loop: str = "uvloop"
+    # The cyclic garbage collector's youngest-generation threshold, in a worker: how many
+    # more container objects allocated than freed between its collections (Python's
+    # default is 700). A worker's batch makes and drops thousands of short-lived objects;
+    # at 700 it collected several times per batch, 3-8 % of a worker's CPU (README,
+    # Performance). Cycles are still collected, only less often.
+    gc_threshold: int = 10_000
     # SIGTERM: stop claiming, then drain in-flight work this long (keep it below the
     # platform's grace period: terminationGracePeriodSeconds 30, stop_grace_period 30s)
     drain_grace_s: float = 20.0
@@ -164,6 +170,10 @@ class Settings:
             raise ConfigError(f"{PREFIX}LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"{PREFIX}EVENT_LOOP must be one of {', '.join(EVENT_LOOPS)}")
+        if self.gc_threshold < 100:
+            raise ConfigError(
+                f"{PREFIX}GC_THRESHOLD must be at least 100 (Python's own default is 700)"
+            )
 
     def redacted(self) -> dict[str, Any]:
         """The settings with every password replaced, for ``custody config show``."""

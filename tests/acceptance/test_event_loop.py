@@ -1,5 +1,6 @@
 """Issue 14 (performance): every worker runs on uvloop, libuv's event loop in C, unless
-``CUSTODY_EVENT_LOOP=asyncio`` asks for the standard library's.
+``CUSTODY_EVENT_LOOP=asyncio`` asks for the standard library's; and with the garbage
+collector's youngest-generation threshold of ``CUSTODY_GC_THRESHOLD`` (10,000 by default).
 
 A worker's time goes to many small waits (a statement's answer, a delivery, a confirm,
 a NOTIFY); on uvloop each costs less, and every worker of the bench's fleet spent 8-15 %
@@ -28,11 +29,17 @@ pytestmark = pytest.mark.acceptance
 async def test_a_worker_runs_and_drains_on_the_event_loop_it_is_given(
     env: Env, crew: Crew, worker: str, loop: str
 ) -> None:
-    # uvloop is the default: nothing set
-    s = start(crew, worker) if loop == "uvloop" else start(crew, worker, CUSTODY_EVENT_LOOP=loop)
+    # uvloop is the default: nothing set (and the garbage collector's default threshold)
+    s = (
+        start(crew, worker)
+        if loop == "uvloop"
+        else start(crew, worker, CUSTODY_EVENT_LOOP=loop, CUSTODY_GC_THRESHOLD="2500")
+    )
     await wait_ready(crew, [s])
     [started] = events(s.proc, "worker.started")
     assert started["event_loop"] == loop, started
+    # the collector's threshold the process runs with (the setting gc_threshold)
+    assert started["gc_threshold"] == (10_000 if loop == "uvloop" else 2500), started
     await consumes(env, crew, worker)
     assert await sigterm(crew, s.proc) == 0, tail(s.proc)
 

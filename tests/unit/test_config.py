@@ -129,6 +129,15 @@ def test_the_event_loop_is_uvloop_unless_asyncio_is_asked_for() -> None:
         Settings.from_env({"CUSTODY_EVENT_LOOP": "trio"})
 
 
+def test_a_worker_collects_garbage_less_often_than_python_by_default() -> None:
+    """Issue 14: a worker's youngest-generation threshold is 10,000 (Python's is 700),
+    settable, and never so low that collecting would be most of the work."""
+    assert Settings.from_env({}).gc_threshold == 10_000
+    assert Settings.from_env({"CUSTODY_GC_THRESHOLD": "700"}).gc_threshold == 700
+    with pytest.raises(ConfigError, match="CUSTODY_GC_THRESHOLD must be at least 100"):
+        Settings.from_env({"CUSTODY_GC_THRESHOLD": "0"})
+
+
 def test_config_error_is_a_custody_error() -> None:
     assert issubclass(ConfigError, CustodyError)
 

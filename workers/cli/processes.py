@@ -52,6 +52,7 @@ async def cmd_run(settings: Settings, args: Args) -> int:
         lambda stop, health: mains[args.worker](settings, stop, health),
         metrics_port=settings.metrics_port,
         grace_s=settings.drain_grace_s,
+        gc_threshold=settings.gc_threshold,
     )
 
 
@@ -94,6 +95,7 @@ async def run_participant(settings: Settings, name: str | None) -> int:
         ),
         metrics_port=settings.metrics_port,
         grace_s=settings.drain_grace_s,
+        gc_threshold=settings.gc_threshold,
     )
 
 

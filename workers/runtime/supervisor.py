@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -52,9 +53,21 @@ class Stop:
 WorkerMain = Callable[[Stop, Health], Coroutine[Any, Any, None]]
 
 
-async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: float) -> int:
-    """Run one worker until SIGTERM/SIGINT; returns the process exit code."""
+async def run(
+    name: str,
+    main: WorkerMain,
+    *,
+    metrics_port: int = 0,
+    grace_s: float,
+    gc_threshold: int | None = None,
+) -> int:
+    """Run one worker until SIGTERM/SIGINT; returns the process exit code.
+    ``gc_threshold``: the garbage collector's youngest-generation threshold for the
+    process (the setting ``gc_threshold``; None leaves Python's)."""
     tracing = otel.configure(name)  # raises before anything starts if it cannot
+    if gc_threshold is not None:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(gc_threshold, older, oldest)
     stop = Stop(grace_s)
     health = Health()
     patience = startup.Patience(wait=True, report=event, waiting=health.waiting)
@@ -71,6 +84,7 @@ async def run(name: str, main: WorkerMain, *, metrics_port: int = 0, grace_s: fl
         metrics_port=metrics_port,
         tracing=tracing,
         event_loop=loops.name_of(loop),
+        gc_threshold=gc.get_threshold()[0],
     )
     started = time.monotonic()
     # the worker's task (and its tasks) wait at start-up, and every line they log
