@@ -49,12 +49,13 @@ from contracts import codec
 from contracts.models import StartRequest
 from workers import errors
 from workers.core import amqp_url, backoff, commands
-from workers.io import amqp_frames, amqp_writes, startup
+from workers.io import amqp_frames, amqp_marshal, amqp_writes, startup
 from workers.settings import Settings
 
 # pamqp decodes short strings strictly and aiormq closes the connection on any decode
 # error: a publisher's invalid UTF-8 would take every consumer of a queue down
 amqp_frames.install()
+amqp_marshal.install()
 amqp_writes.install()
 
 # What a caller above this layer may catch as a last resort (the CLI's top level),
