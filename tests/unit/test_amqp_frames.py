@@ -109,8 +109,13 @@ def test_only_the_broker_imports_the_patch() -> None:
         for p in (ROOT / d).rglob("*.py")
         if "amqp_frames" in p.read_text() and p.name != "amqp_frames.py"
     )
-    # amqp_writes shares the pin (the versions both patches were checked against)
-    assert importers == ["workers/io/amqp_writes.py", "workers/io/broker.py"]
+    # amqp_writes and amqp_marshal share the pin (the versions the patches were checked
+    # against)
+    assert importers == [
+        "workers/io/amqp_marshal.py",
+        "workers/io/amqp_writes.py",
+        "workers/io/broker.py",
+    ]
 
 
 # Agreement with pamqp on what it can decode -----------------------------------------

@@ -132,8 +132,8 @@ def test_custodys_own_properties_take_the_fast_path() -> None:
         priority=0,
         user_id="custody-receipts",
     )
-    assert amqp_marshal._properties(props) == props.marshal()
-    assert amqp_marshal._properties(commands.Basic.Properties(app_id="x")) is None
+    assert amqp_marshal.encode_properties(props) == props.marshal()
+    assert amqp_marshal.encode_properties(commands.Basic.Properties(app_id="x")) is None
 
 
 @FAST

@@ -58,7 +58,7 @@ def marshal(frame_value: pamqp.frame.FrameTypes, channel_id: int) -> bytes:
             (_FRAME.pack(constants.FRAME_BODY, channel_id, len(value)), value, _FRAME_END)
         )
     if type(frame) is header.ContentHeader:
-        payload = _properties(frame.properties)
+        payload = encode_properties(frame.properties)
         if payload is not None:
             payload = _HEADER.pack(commands.Basic.frame_id, frame.body_size) + payload
             return b"".join(
@@ -76,7 +76,7 @@ def marshal(frame_value: pamqp.frame.FrameTypes, channel_id: int) -> bytes:
     return UPSTREAM(frame, channel_id)
 
 
-def _properties(p: Any) -> bytes | None:
+def encode_properties(p: Any) -> bytes | None:
     """The encoded properties (flags, then values), or None if they are not the plain
     ones this encodes (pamqp does those)."""
     if type(p) is not _Properties:
