@@ -36,14 +36,9 @@ _FRAME: Final = struct.Struct(">BHI")  # type, channel, payload size
 _HEADER: Final = struct.Struct(">HxxQ")  # class id, weight, body size
 _FRAME_END: Final = constants.FRAME_END_CHAR
 _PUBLISHES_KEPT: Final = 4096
-# The properties the fast path encodes, in wire order, with their flag bits. The
-# others must be absent (None or ''): pamqp leaves out exactly those.
+# The flag bit of each property. The fast path encodes those of _ENCODERS (in wire
+# order); the others must be absent (None or ''), which pamqp leaves out.
 _FLAGS: Final = _Properties.flags
-_ABSENT: Final = tuple(
-    name
-    for name in _Properties.__slots__
-    if name not in ("content_type", "headers", "delivery_mode", "priority", "message_id", "user_id")
-)
 
 UPSTREAM: Final[Callable[[pamqp.frame.FrameTypes, int], bytes]] = pamqp.frame.marshal
 _publishes: dict[tuple[int, str, str, bool, bool], bytes] = {}
@@ -87,36 +82,19 @@ def encode_properties(p: Any) -> bytes | None:
             return None
     flags = 0
     parts: list[bytes] = []
-    value = p.content_type
-    if value is not None and value != "":
-        encoded = _short(value)
-        if encoded is None:
-            return None
-        flags |= _FLAGS["content_type"]
-        parts.append(encoded)
-    table: Any = p.headers
-    if table is not None and table != "":
-        encoded = _table(table)
-        if encoded is None:
-            return None
-        flags |= _FLAGS["headers"]
-        parts.append(encoded)
-    for name in ("delivery_mode", "priority"):
-        octet = getattr(p, name)
-        if octet is not None and octet != "":
-            if type(octet) is not int or not 0 <= octet <= 255:
-                return None
-            flags |= _FLAGS[name]
-            parts.append(bytes((octet,)))
-    for name in ("message_id", "user_id"):
+    for name, encode in _ENCODERS:  # in wire order
         value = getattr(p, name)
-        if value is not None and value != "":
-            encoded = _short(value)
+        if value is not None and value != "":  # pamqp's test for a present property
+            encoded = encode(value)
             if encoded is None:
                 return None
             flags |= _FLAGS[name]
             parts.append(encoded)
     return flags.to_bytes(2, "big") + b"".join(parts)
+
+
+def _octet(value: Any) -> bytes | None:
+    return bytes((value,)) if type(value) is int and 0 <= value <= 255 else None
 
 
 def _short(value: Any) -> bytes | None:
@@ -141,6 +119,17 @@ def _table(table: Any) -> bytes | None:
         out.append(bytes((len(k),)) + k + b"S" + len(v).to_bytes(4, "big") + v)
     data = b"".join(out)
     return len(data).to_bytes(4, "big") + data
+
+
+_ENCODERS: Final[tuple[tuple[str, Callable[[Any], bytes | None]], ...]] = (
+    ("content_type", _short),
+    ("headers", _table),
+    ("delivery_mode", _octet),
+    ("priority", _octet),
+    ("message_id", _short),
+    ("user_id", _short),
+)
+_ABSENT: Final = tuple(n for n in _Properties.__slots__ if n not in dict(_ENCODERS))
 
 
 def install() -> None:
