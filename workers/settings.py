@@ -170,9 +170,10 @@ class Settings:
             raise ConfigError(f"{PREFIX}LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"{PREFIX}EVENT_LOOP must be one of {', '.join(EVENT_LOOPS)}")
-        if self.gc_threshold < 100:
+        if not 100 <= self.gc_threshold <= 1_000_000:
             raise ConfigError(
-                f"{PREFIX}GC_THRESHOLD must be at least 100 (Python's own default is 700)"
+                f"{PREFIX}GC_THRESHOLD must be between 100 and 1000000 (Python's own default"
+                " is 700; far above the default, cycles are left to pile up)"
             )
 
     def redacted(self) -> dict[str, Any]:

@@ -155,14 +155,19 @@ async def test_broker_confirmation_sender_killed_before_mark_republishes_same_me
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "executor"])
 async def test_participant_acceptance_killed_before_ack_returns_stored_receipt(
-    env: Env, crew: Crew
+    env: Env, crew: Crew, inline: bool
 ) -> None:
     """Participant acceptance: "The executor retained a recoverable operation and its
     identity". The inventory participant SIGKILLed after its acceptance COMMIT but before
     the basic.ack: the broker redelivers the commands, the inbox recognises each identity
-    and digest and returns the stored receipt, and nothing executes twice (FAULTS 4)."""
-    doomed = crew.start("inventory", crash="after_commit_before_ack")
+    and digest and returns the stored receipt, and nothing executes twice (FAULTS 4).
+    Its handlers run by the executor, each retained command was journaled ``accepted``
+    (revision 1) with its inbox row; run inline, with its terminal receipt (revision 2),
+    effect and inbox row in that same commit, and no ``accepted`` receipt at all."""
+    mode = {"CUSTODY_PARTICIPANT_INLINE": "true" if inline else "false"}
+    doomed = crew.start("inventory", crash="after_commit_before_ack", env=mode)
     crew.start_all(skip=["inventory"])
     await _start(env)
     await crew.wait_killed(doomed)
@@ -171,18 +176,29 @@ async def test_participant_acceptance_killed_before_ack_returns_stored_receipt(
         "SELECT request_id, status FROM participant_inventory.inbox", participant=True
     )
     assert retained, "the acceptance of the killed participant did not commit"
-    # its receipt: accepted (revision 1), or the terminal one (2) of an inline handler,
-    # committed with its acceptance
-    receipts = await count(
+    ids = [[r for r, _ in retained]]
+    # the journal holds, for each retained command, the receipt its inbox row stands at
+    agreeing = await count(
         env,
-        "SELECT count(DISTINCT request_id) FROM participant_inventory.receipts"
-        " WHERE request_id = ANY(%s)",
-        [[r for r, _ in retained]],
+        "SELECT count(*) FROM participant_inventory.inbox i JOIN participant_inventory.receipts"
+        " r ON r.request_id = i.request_id AND r.owner_revision = i.owner_revision"
+        " WHERE i.request_id = ANY(%s)",
+        ids,
         participant=True,
     )
-    assert receipts == len(retained), "each retained command has its receipt"
+    assert agreeing == len(retained), "each retained command has its receipt, as its inbox says"
+    accepted = await count(
+        env,
+        "SELECT count(*) FROM participant_inventory.receipts"
+        " WHERE owner_revision = 1 AND request_id = ANY(%s)",
+        ids,
+        participant=True,
+    )
+    assert accepted == (0 if inline else len(retained)), (
+        "inline: no accepted receipt" if inline else "each retained command was said accepted"
+    )
 
-    assert_clean(crew.start("inventory"))
+    assert_clean(crew.start("inventory", env=mode))
     await _settle(env, crew)
     await assert_durable_happy_end(env, N)
 

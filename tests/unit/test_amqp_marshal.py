@@ -158,6 +158,24 @@ def test_a_publish_method_is_encoded_as_pamqp_does(
         assert ours == upstream
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("ticket", 5), ("mandatory", 1.0), ("immediate", 1), ("mandatory", "yes")],
+)
+def test_a_publish_pamqp_would_refuse_is_never_answered_from_what_was_kept(
+    field: str, value: Any
+) -> None:
+    """Once a (channel, exchange, routing key, flags) was encoded, a frame with the same
+    key but a field pamqp refuses (set after construction) still goes to pamqp."""
+    kept = commands.Basic.Publish(exchange="kept", routing_key="k", mandatory=True)
+    amqp_marshal.marshal(kept, 1)  # kept now
+    odd = commands.Basic.Publish(exchange="kept", routing_key="k", mandatory=True)
+    setattr(odd, field, value)
+    upstream, ours = both(odd, 1)
+    assert ours == upstream
+    assert not isinstance(upstream, bytes) or field == "immediate", upstream
+
+
 @FAST
 @given(st.binary(max_size=300), st.integers(1, 9))
 def test_a_body_frame_is_encoded_as_pamqp_does(value: bytes, channel: int) -> None:

@@ -134,8 +134,9 @@ def test_a_worker_collects_garbage_less_often_than_python_by_default() -> None:
     settable, and never so low that collecting would be most of the work."""
     assert Settings.from_env({}).gc_threshold == 10_000
     assert Settings.from_env({"CUSTODY_GC_THRESHOLD": "700"}).gc_threshold == 700
-    with pytest.raises(ConfigError, match="CUSTODY_GC_THRESHOLD must be at least 100"):
-        Settings.from_env({"CUSTODY_GC_THRESHOLD": "0"})
+    for bad in ("0", "99", "1000001", str(2**31)):  # 2**31: gc.set_threshold overflows
+        with pytest.raises(ConfigError, match="CUSTODY_GC_THRESHOLD must be between 100 and"):
+            Settings.from_env({"CUSTODY_GC_THRESHOLD": bad})
 
 
 def test_config_error_is_a_custody_error() -> None:

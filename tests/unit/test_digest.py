@@ -9,6 +9,7 @@ document in agreement.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -392,16 +393,27 @@ def test_canonical_bytes_are_valid_json_that_reads_back_equal(value: dict[str, A
     assert orjson.loads(digest.canonical_bytes(value)) == value
 
 
-_ANY_TEXT = st.text(max_size=6) | st.sampled_from(["a\x00", "\ud800", "é", "\x00"])
+class _Str(str):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+_ANY_TEXT = st.text(max_size=6) | st.sampled_from(["a\x00", "\ud800", "é", "\x00", _Str("s")])
 _ANY = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**60), max_value=2**60)
-    | st.sampled_from([MAX_SAFE_INTEGER, -MAX_SAFE_INTEGER, MAX_SAFE_INTEGER + 1, 1.5])
+    | st.sampled_from(
+        [MAX_SAFE_INTEGER, -MAX_SAFE_INTEGER, MAX_SAFE_INTEGER + 1, 1.5, _Int(3), _Int(2**60)]
+    )
     | _ANY_TEXT,
     lambda children: (
         st.lists(children, max_size=3)
         | st.dictionaries(_ANY_TEXT | st.integers(0, 2), children, max_size=3)
+        | st.dictionaries(st.text(max_size=3), children, max_size=3).map(collections.OrderedDict)
         | st.tuples(children)
     ),
     max_leaves=20,

@@ -59,15 +59,21 @@ def marshal(frame_value: pamqp.frame.FrameTypes, channel_id: int) -> bytes:
             return b"".join(
                 (_FRAME.pack(constants.FRAME_HEADER, channel_id, len(payload)), payload, _FRAME_END)
             )
-    elif type(frame) is _Publish:
+    elif (
+        type(frame) is _Publish
+        and frame.ticket == 0
+        and type(frame.mandatory) is bool
+        and type(frame.immediate) is bool
+    ):
+        # nothing else is in the frame: its bytes are those of its key (1 == 1.0 == True
+        # would share a key, hence bools only)
         key = (channel_id, frame.exchange, frame.routing_key, frame.mandatory, frame.immediate)
         known = _publishes.get(key)
-        if known is None and frame.ticket == 0:
+        if known is None:
             known = UPSTREAM(frame, channel_id)  # validated and encoded by pamqp, once
             if len(_publishes) < _PUBLISHES_KEPT:
                 _publishes[key] = known
-        if known is not None:
-            return known
+        return known
     return UPSTREAM(frame, channel_id)
 
 

@@ -3,8 +3,9 @@
 It owns two commit boundaries in the participant's own database:
 
 * *acceptance*: a batch of commands is retained (inbox row with its identity and
-  semantic digest, plus an ``accepted`` receipt in the participant's outbox) in one
-  transaction; the deliveries are acked only after that commit;
+  semantic digest, plus an ``accepted`` receipt in the participant's outbox, unless an
+  inline handler completed the command in the same commit) in one transaction; the
+  deliveries are acked only after that commit;
 * *completion*: the business effect and the terminal receipt commit together; the
   handlers of a claimed batch share a transaction up to a small time budget (the
   batch is *claimed* in a short transaction of its own: acceptance never waits behind
