@@ -61,6 +61,19 @@ async def _first_operation_without_a_committer(env: Env, fleet: InProcessFleet) 
     await fleet.stop(committer)
 
 
+async def _committer_completes_it(env: Env, fleet: InProcessFleet) -> None:
+    """The committer started again: the intent left pending is its, and the instance
+    completes."""
+    fleet.start("committer")
+    await _until(
+        env,
+        "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+        1,
+        "the instance completed",
+        timeout=30,
+    )
+
+
 async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction(
     env: Env,
 ) -> None:
@@ -131,14 +144,7 @@ async def test_an_instance_someone_else_holds_is_not_waited_for_and_is_left_to_t
             assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
         await asyncio.sleep(0.5)
         assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
-        fleet.start("committer")
-        await _until(
-            env,
-            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
-            1,
-            "the instance completed",
-            timeout=30,
-        )
+        await _committer_completes_it(env, fleet)
         fleet.check_alive()
 
 
@@ -217,13 +223,6 @@ async def test_a_failed_activation_never_costs_the_receipt_its_application(env: 
             assert await _count(env, "SELECT count(*) FROM custody.operations") == 1
             assert await drain(env.settings, broker.QUEUE_DEAD, timeout=0.5) == []
             await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")
-            fleet.start("committer")
-            await _until(
-                env,
-                "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
-                1,
-                "the instance completed",
-                timeout=30,
-            )
+            await _committer_completes_it(env, fleet)
     finally:
         await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")

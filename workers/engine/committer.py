@@ -373,14 +373,7 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
                 main=[
                     starts(),
                     successors(),
-                    outbox.loop(
-                        committer.sender,
-                        stop,
-                        supervisor.Waker(settings.poll_interval_s),
-                        ctx.reacquire,
-                        ACTOR,
-                        claims=False,
-                    ),
+                    ctx.sending(committer.sender, stop),
                 ],
                 side=[
                     ctx.heartbeat(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 from workers import errors
@@ -13,7 +13,7 @@ from workers.core import horizon, process, records, routes, tracing
 from workers.core.reasons import Reason
 from workers.io import broker
 from workers.io import db as dbm
-from workers.runtime import consume, logs, metrics, outbox, probes
+from workers.runtime import consume, logs, metrics, outbox, probes, supervisor
 from workers.settings import Settings
 
 
@@ -72,6 +72,22 @@ class Context:
             hold_submits=s.dispatch_paused,
             before_sample=before_sample,
             worker=self.worker,
+        )
+
+    def sending(
+        self, sender: outbox.OutboxPublisher, stop: supervisor.Stop
+    ) -> Coroutine[object, object, None]:
+        """The loop of a worker's own sender (:meth:`engine_outbox`): it sends the
+        submits the worker's commits hand it, never claims (the publisher worker claims
+        what they leave behind). Its rows still handed over when it ends are the
+        worker's to give back (``sender.release_handed()``), once nothing can hand more."""
+        return outbox.loop(
+            sender,
+            stop,
+            supervisor.Waker(self.settings.poll_interval_s),
+            self.reacquire,
+            self.worker,
+            claims=False,
         )
 
     async def heartbeat(self) -> None:

@@ -448,17 +448,7 @@ async def main(settings: Settings, stop: supervisor.Stop, health: probes.Health)
 
         try:
             await supervisor.supervise(
-                main=[
-                    receipts_in(),
-                    outbox.loop(
-                        receipt_consumer.sender,
-                        stop,
-                        supervisor.Waker(settings.poll_interval_s),
-                        ctx.reacquire,
-                        ACTOR,
-                        claims=False,
-                    ),
-                ],
+                main=[receipts_in(), ctx.sending(receipt_consumer.sender, stop)],
                 side=[ctx.heartbeat()],
             )
         finally:
