@@ -24,11 +24,13 @@ NAME = "lease-probe"
 
 
 def _terminate_backends(env: Env) -> int:
-    """What a Postgres restart does to the probe's pooled connection."""
+    """What a Postgres restart does to the probe's pooled connection: this test's own
+    (its database's), never the same-named probe of a test running beside it on another
+    test worker's database."""
     with psycopg.connect(env.settings.database_url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-            " WHERE application_name = %s",
+            " WHERE application_name = %s AND datname = current_database()",
             (f"custody-{NAME}",),
         ).fetchone()
     assert row is not None
