@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aio_pika
+
 from tests.conftest import Env, wait_until
 from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Fleet, Proc
 
@@ -364,3 +366,14 @@ async def freeze_past_lease(env: Env, proc: Proc, what: str) -> str:
 
     await wait_until(expired, timeout=30, what=f"the frozen {what}'s lease to expire")
     return holder
+
+
+async def queue_state(env: Env, name: str) -> tuple[int, int]:
+    """(ready messages, consumers) of a queue, as the broker says right now (a passive
+    declare: no management-statistics delay). Unacked deliveries are not ready."""
+    connection = await aio_pika.connect(env.settings.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        ok = queue.declaration_result
+        return int(ok.message_count or 0), int(ok.consumer_count or 0)

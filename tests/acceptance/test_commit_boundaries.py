@@ -24,11 +24,13 @@ from tests.acceptance.support import (
     assert_clean,
     assert_durable_happy_end,
     count,
+    queue_state,
     settled,
     state,
 )
 from tests.conftest import Env
 from tests.harness import order, publish_starts
+from workers.io import broker
 
 pytestmark = pytest.mark.acceptance
 
@@ -99,8 +101,16 @@ async def test_broker_confirmation_sender_killed_before_mark_republishes_same_me
     whose operation settled meanwhile (the first send did arrive) is retired. The
     publisher's own claims take the same path from the publish on
     (``OutboxPublisher.run_once``; its claim: test_claim_and_send.py)."""
-    doomed = crew.start("committer", crash=point)
     crew.start_all(skip=["committer"])
+
+    async def inventory_consumes() -> bool:
+        return (await queue_state(env, broker.command_queue("inventory.v1")))[1] == 1
+
+    # the first copies are answered as they arrive, long before the claim expires and
+    # the copies are sent again (a participant still starting could take both copies
+    # in one batch, answered by the one receipt it was committing)
+    await crew.wait(inventory_consumes, timeout=30, what="the inventory participant consuming")
+    doomed = crew.start("committer", crash=point)
     await _start(env)
     await crew.wait_killed(doomed)
 

@@ -9,7 +9,6 @@ import time
 import uuid
 from pathlib import Path
 
-import aio_pika
 import psycopg
 import pytest
 
@@ -20,6 +19,7 @@ from tests.acceptance.support import (
     assert_durable_happy_end,
     count,
     finished,
+    queue_state,
     settled,
     state,
 )
@@ -156,19 +156,6 @@ async def _waiting_committers(env: Env) -> int:
     )
 
 
-async def _queue(env: Env, queue: str) -> tuple[int, int]:
-    """(ready messages, consumers) of a queue, from a passive declare (not the lagging
-    management statistics)."""
-    connection = await aio_pika.connect(env.settings.amqp_url)
-    try:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(queue, passive=True)
-        result = declared.declaration_result
-        return int(result.message_count or 0), int(result.consumer_count or 0)
-    finally:
-        await connection.close()
-
-
 @pytest.mark.timeout(90)
 async def test_two_committer_replicas_given_the_same_start_request_commit_it_once(
     env: Env, crew: Crew
@@ -187,7 +174,7 @@ async def test_two_committer_replicas_given_the_same_start_request_commit_it_onc
     crew.start("committer")
 
     async def two_consumers() -> bool:
-        return (await _queue(env, broker.QUEUE_REQUESTS))[1] == 2
+        return (await queue_state(env, broker.QUEUE_REQUESTS))[1] == 2
 
     await crew.wait(two_consumers, timeout=30, what="both committers consuming start requests")
     request = StartRequest(
@@ -227,7 +214,7 @@ async def test_two_committer_replicas_given_the_same_start_request_commit_it_onc
             raise
     died = crew.unexpected_deaths()
     codes = await asyncio.to_thread(crew.stop_all, GRACE_S)  # nothing in flight after this
-    dead_letters, _ = await _queue(env, broker.QUEUE_DEAD)
+    dead_letters, _ = await queue_state(env, broker.QUEUE_DEAD)
     if died or dead_letters:
         raise DuplicateStartAsPoisonError(
             f"died: {died}; dead-lettered: {dead_letters}; exit codes {codes}"

@@ -14,7 +14,6 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
 
 from tests.acceptance.support import (
@@ -24,6 +23,7 @@ from tests.acceptance.support import (
     count,
     freeze_past_lease,
     process_state,
+    queue_state,
 )
 from tests.conftest import Env, wait_until
 from tests.fixtures import processes
@@ -117,17 +117,6 @@ async def test_a_sender_paused_past_its_lease_is_fenced_and_a_replica_takes_over
 # -- the fence is the epoch a unit began under (not the one in force at its commit) --
 
 
-async def _queue(env: Env, name: str) -> tuple[int, int]:
-    """(ready messages, consumers) of a queue, as the broker says right now (a passive
-    declare: no management-statistics delay). Unacked deliveries are not ready."""
-    connection = await aio_pika.connect(env.settings.amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(name, passive=True)
-        ok = queue.declaration_result
-        return int(ok.message_count or 0), int(ok.consumer_count or 0)
-
-
 def _events(proc: Proc) -> list[dict[str, Any]]:
     out = []
     for line in proc.log.read_text(errors="replace").splitlines():
@@ -214,7 +203,7 @@ async def test_a_committer_unit_begun_under_a_lost_epoch_cannot_commit_after_the
     crew.start("committer")  # the replica
 
     async def two_consumers() -> bool:
-        return (await _queue(env, broker.QUEUE_REQUESTS))[1] == 2
+        return (await queue_state(env, broker.QUEUE_REQUESTS))[1] == 2
 
     await wait_until(two_consumers, timeout=30, what="the replica to consume start requests")
     # round-robin: some go to the replica, the rest wait, unacked, in the frozen zombie
@@ -278,7 +267,7 @@ async def test_a_receipt_unit_begun_under_a_lost_epoch_cannot_commit_after_the_l
     crew.start("receipts")  # the replica
 
     async def held_by_zombie() -> bool:
-        return await _queue(env, broker.QUEUE_RECEIPTS) == (0, 2)
+        return await queue_state(env, broker.QUEUE_RECEIPTS) == (0, 2)
 
     await wait_until(
         held_by_zombie, timeout=30, what="the replica to consume, with nothing ready for it"
