@@ -342,6 +342,30 @@ def _memory_table(window: CpuWindow) -> list[str]:
 
 
 @dataclass
+class Round:
+    """custody's burst and then each peer's, back to back: one round of the ratios."""
+
+    custody: CustodyResult
+    peers: list[PeerResult] = field(default_factory=list)
+
+
+def round_ratios(rounds: Sequence[Round], system: str) -> list[float]:
+    """custody's operations/s over ``system``'s, in each round that ran it."""
+    return [
+        r.custody.ops_per_s / p.ops_per_s for r in rounds for p in r.peers if p.system == system
+    ]
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
+    if not values:
+        raise ValueError("the median of nothing")
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+@dataclass
 class Report:
     started: datetime
     command: str
@@ -350,6 +374,8 @@ class Report:
     baseline: BaselineResult
     custody: list[CustodyResult] = field(default_factory=list)
     peers: list[PeerResult] = field(default_factory=list)
+    # rounds 2..N of custody r1 and the peers, alternated (round 1 is head and peers)
+    rounds: list[Round] = field(default_factory=list)
     total_s: float = 0.0
 
     @property
@@ -357,6 +383,67 @@ class Report:
         """custody r1 on empty tables (else the first custody run): the reference."""
         plain = [c for c in self.custody if c.backlog is None]
         return next((c for c in plain if c.replicas == 1), plain[0] if plain else None)
+
+    def all_rounds(self) -> list[Round]:
+        """Round 1 (the head and the peers of the main table), then the others."""
+        head = self.head
+        if head is None:
+            return []
+        return [Round(head, list(self.peers)), *self.rounds]
+
+    def _rounds(self) -> list[str]:
+        rounds = self.all_rounds()
+        head = self.head
+        if head is None or len(rounds) < 2 or not self.peers:
+            return []
+        systems = [p.system for p in self.peers]
+        label = f"custody r{head.replicas}"
+        header = ["round", f"{label} operations/s", "its CPU ms / operation", "its pace (µs)"]
+        for name in systems:
+            header += [f"{name} operations/s", "its pace (µs)", f"{label} ÷ {name}"]
+        rows = []
+        for n, r in enumerate(rounds, 1):
+            c = r.custody
+            row = [str(n), f"{c.ops_per_s:,.0f}", f"{1000 * c.cpu.own / c.ops:.2f}", _pace(c.cpu)]
+            for name in systems:
+                p = next((p for p in r.peers if p.system == name), None)
+                row += (
+                    ["", "", ""]
+                    if p is None
+                    else [
+                        f"{p.ops_per_s:,.0f}",
+                        _pace(p.cpu),
+                        _ratio(c.ops_per_s / p.ops_per_s),
+                    ]
+                )
+            rows.append(row)
+        last = [
+            "**median**",
+            f"{median([r.custody.ops_per_s for r in rounds]):,.0f}",
+            f"{median([1000 * r.custody.cpu.own / r.custody.ops for r in rounds]):.2f}",
+            "",
+        ]
+        for name in systems:
+            theirs = [p.ops_per_s for r in rounds for p in r.peers if p.system == name]
+            last += [
+                f"{median(theirs):,.0f}",
+                "",
+                f"**{_ratio(median(round_ratios(rounds, name)))}**",
+            ]
+        rows.append(last)
+        return [
+            f"### Rounds: {label} and each peer, alternated",
+            "",
+            f"The machine's speed drifts from one window to the next (the pace columns),"
+            f" and each system's burst has its own window; so the run repeats {label}'s"
+            f" burst and then each peer's, {len(rounds)} times in all. Round 1 is the table"
+            " above; the others are bursts only (no light-load phase), each checked exactly"
+            " once like the first. A round's ratio compares two windows minutes apart at"
+            " most; the median of the rounds' ratios is the run's figure.",
+            "",
+            *_table(header, rows),
+            "",
+        ]
 
     def _against_peers(self) -> list[str]:
         head, b = self.head, self.baseline
@@ -448,11 +535,26 @@ class Report:
             rows,
         )
         lines.append("")
+        lines += self._rounds()
         parts = []
+        rounds = self.all_rounds()
+        if len(rounds) > 1:
+            each = [
+                f"**{_ratio(median(round_ratios(rounds, r.system)))} x** the operations/s of"
+                f" {r.system} (the rounds: "
+                + ", ".join(_ratio(x) for x in round_ratios(rounds, r.system))
+                + ")"
+                for r in self.peers
+            ]
+            parts.append(
+                f"the median of {len(rounds)} alternated rounds: custody r{head.replicas}"
+                f" moves {' and '.join(each)}"
+            )
         for r in self.peers:
             ratio = head.ops_per_s / r.ops_per_s
             parts.append(
                 f"custody r{head.replicas} moves {_ratio(ratio)} x the operations/s of {r.system}"
+                + (" in round 1" if len(rounds) > 1 else "")
             )
             pace = machine_pace(r.cpu, head.cpu)
             if pace is not None:

@@ -42,10 +42,11 @@ from bench.backlog import Backlog
 from bench.baseline_run import run_baseline
 from bench.celery_run import run_celery
 from bench.common import BenchFailure
-from bench.custody_run import run_custody
+from bench.custody_run import CustodyResult, run_custody
+from bench.peers import PeerResult
 from bench.pgqueuer_run import run_pgqueuer
 from bench.profile import Sampler
-from bench.report import Report, command, machine_facts
+from bench.report import Report, Round, command, machine_facts
 from bench.resources import exclusive
 from workers.settings import ROOT, Settings
 
@@ -69,6 +70,7 @@ class Options:
     pgqueuer_workers: int = 2
     backlog: Backlog | None = None
     profile: bool = False
+    rounds: int = 1
 
 
 def parse(argv: Sequence[str] | None = None) -> Options:
@@ -135,6 +137,13 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         help="sample every custody worker with py-spy during each custody burst and report"
         " where its busy time goes (the bench extra has py-spy; `make profile`)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="custody r1's burst and each peer's, alternated this many times; the report"
+        " gives each round's ratios and their median (default 3, --quick 1; with no"
+        " peers, 1)",
+    )
     p.add_argument("--quick", action="store_true", help="a small run for smoke-testing")
     p.add_argument(
         "--output",
@@ -175,6 +184,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         pgqueuer_workers=a.pgqueuer_workers,
         backlog=backlog,
         profile=a.profile,
+        rounds=(a.rounds if a.rounds is not None else (1 if a.quick else 3)) if peers else 1,
     )
     if (
         opts.instances < 1
@@ -184,6 +194,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         or opts.peer_workflows < 1
         or opts.celery_concurrency < 1
         or opts.pgqueuer_workers < 1
+        or opts.rounds < 1
         or (backlog is not None and (backlog.finished < 1 or backlog.pending < 1))
     ):
         p.error("sizes must be positive (--warmup too: the backlog copies the warm-up)")
@@ -243,32 +254,24 @@ async def _runs(opts: Options, settings: Settings) -> int:
         first, *others = opts.replicas
         await _custody(opts, settings, report, logs, first)
         for peer in opts.peers:
-            if peer == "celery":
-                r = await run_celery(
-                    settings,
-                    workflows=opts.peer_workflows,
-                    warmup=opts.peer_warmup,
-                    light=opts.light,
-                    concurrency=opts.celery_concurrency,
-                    logs=logs,
-                )
-            else:
-                r = await run_pgqueuer(
-                    settings,
-                    workflows=opts.peer_workflows,
-                    warmup=opts.peer_warmup,
-                    light=opts.light,
-                    workers=opts.pgqueuer_workers,
-                    logs=logs,
-                )
-            head = report.custody[0]
-            print(
-                f"  {r.system}: {r.ops_per_s:,.0f} operations/s, {r.workflows_per_s:,.0f}"
-                f" workflows/s (custody r{head.replicas} / {r.system}:"
-                f" {head.ops_per_s / r.ops_per_s:.2f})",
-                flush=True,
+            report.peers.append(await _peer(opts, settings, logs, peer, report, light=opts.light))
+        # the ratios again, alternated: custody r1's burst, then each peer's (bursts only;
+        # each checked exactly once the same way); the report takes the rounds' median
+        for n in range(2, opts.rounds + 1):
+            print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
+            c = await run_custody(
+                settings,
+                replicas=first,
+                instances=opts.instances,
+                warmup=opts.warmup,
+                light=0,
+                logs=logs,
             )
-            report.peers.append(r)
+            print(f"  {c.label} (round {n}): {c.ops_per_s:,.0f} operations/s", flush=True)
+            again = Round(c, [])
+            report.rounds.append(again)
+            for peer in opts.peers:
+                again.peers.append(await _peer(opts, settings, logs, peer, report, light=0, of=c))
         for replicas in others:
             await _custody(opts, settings, report, logs, replicas)
         if opts.backlog is not None:
@@ -283,6 +286,46 @@ async def _runs(opts: Options, settings: Settings) -> int:
     tmp.replace(opts.output)
     print(f"written to {opts.output}")
     return 0
+
+
+async def _peer(
+    opts: Options,
+    settings: Settings,
+    logs: Path,
+    peer: str,
+    report: Report,
+    *,
+    light: int,
+    of: CustodyResult | None = None,
+) -> PeerResult:
+    """One peer's run; ``of`` is the custody burst it is compared with (round 1's head
+    when None)."""
+    if peer == "celery":
+        r = await run_celery(
+            settings,
+            workflows=opts.peer_workflows,
+            warmup=opts.peer_warmup,
+            light=light,
+            concurrency=opts.celery_concurrency,
+            logs=logs,
+        )
+    else:
+        r = await run_pgqueuer(
+            settings,
+            workflows=opts.peer_workflows,
+            warmup=opts.peer_warmup,
+            light=light,
+            workers=opts.pgqueuer_workers,
+            logs=logs,
+        )
+    head = of or report.custody[0]
+    print(
+        f"  {r.system}: {r.ops_per_s:,.0f} operations/s, {r.workflows_per_s:,.0f}"
+        f" workflows/s (custody r{head.replicas} / {r.system}:"
+        f" {head.ops_per_s / r.ops_per_s:.2f})",
+        flush=True,
+    )
+    return r
 
 
 async def _custody(

@@ -1,15 +1,20 @@
-"""The bench's machine pace (bench/pace.py) and the report's use of it for the backlog
-ratio: pure arithmetic on sampled figures."""
+"""The bench's machine pace (bench/pace.py), the report's use of it for the backlog
+ratio, and the median of the alternated rounds: pure arithmetic on sampled figures."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from bench import pace
+from bench.baseline_run import BaselineResult
 from bench.cpu import CpuWindow, MachineCpu
-from bench.report import machine_pace
+from bench.custody_run import CustodyResult
+from bench.peers import PeerResult
+from bench.report import Machine, Report, Round, machine_pace, median, round_ratios
+from workers.settings import Settings
 
 
 def _window(pace_us: float | None) -> CpuWindow:
@@ -36,3 +41,111 @@ def test_the_backlog_is_put_at_the_empty_table_windows_pace() -> None:
     assert machine_pace(_window(1000.0), _window(1250.0)) == pytest.approx(1.25)
     assert machine_pace(_window(1000.0), _window(None)) is None
     assert machine_pace(_window(None), _window(1000.0)) is None
+
+
+def _custody(ops_per_s: float, pace_us: float) -> CustodyResult:
+    return CustodyResult(
+        replicas=1,
+        instances=1000,
+        processes=7,
+        ops=3000,
+        seconds=3000 / ops_per_s,
+        completed=1000,
+        failed=0,
+        inst_p50_ms=1.0,
+        inst_p99_ms=1.0,
+        inst_max_ms=1.0,
+        op_p50_ms=1.0,
+        op_p99_ms=1.0,
+        warm_instances=0,
+        warm_p50_ms=0.0,
+        warm_max_ms=0.0,
+        light_instances=0,
+        light_inst_p50_ms=0.0,
+        light_inst_p99_ms=0.0,
+        light_ops=0,
+        light_op_p50_ms=0.0,
+        light_op_p99_ms=0.0,
+        effects={},
+        duplicates=0,
+        quarantined=0,
+        shutdown_codes=[0],
+        cpu=_window(pace_us),
+    )
+
+
+def _peer(system: str, ops_per_s: float) -> PeerResult:
+    return PeerResult(
+        system=system,
+        version="1",
+        setup="",
+        settings=[],
+        group=system,
+        processes=2,
+        workflows=1000,
+        seconds=3000 / ops_per_s,
+        warmup=0,
+        light_workflows=0,
+        light_step_p50_ms=0.0,
+        light_step_p99_ms=0.0,
+        light_wf_p50_ms=0.0,
+        light_wf_p99_ms=0.0,
+        effects=3000,
+        redeliveries=0,
+        cpu=_window(1000.0),
+    )
+
+
+def _report(rounds: list[tuple[float, float, float]]) -> Report:
+    """Rounds of (custody, Celery, pgqueuer) operations/s; the first is the main table."""
+    (c, celery, pgq), *rest = rounds
+    machine = Machine(2, "cpu", "k", "3.11", "3", "25", "15", "", "0", "abc")
+    report = Report(
+        datetime(2026, 12, 6, tzinfo=UTC),
+        "cmd",
+        machine,
+        Settings.from_env(),
+        BaselineResult(
+            ops=300, warmup=0, seconds=1.0, p50_ms=1, p99_ms=1, max_ms=1, cpu=_window(1000.0)
+        ),
+    )
+    report.custody.append(_custody(c, 1000.0))
+    report.peers += [_peer("Celery", celery), _peer("pgqueuer", pgq)]
+    report.rounds += [
+        Round(_custody(c2, 1000.0), [_peer("Celery", ce2), _peer("pgqueuer", pg2)])
+        for c2, ce2, pg2 in rest
+    ]
+    return report
+
+
+def test_the_peers_ratio_is_the_median_of_the_alternated_rounds() -> None:
+    """One window can fall in a slow minute: each round compares custody's burst with
+    the peers' right after it, and the run's figure is the median of those ratios, not
+    the first round's alone."""
+    report = _report([(900, 600, 1000), (1200, 600, 1200), (1000, 500, 1250)])
+    rounds = report.all_rounds()
+    assert round_ratios(rounds, "Celery") == pytest.approx([1.5, 2.0, 2.0])
+    assert round_ratios(rounds, "pgqueuer") == pytest.approx([0.9, 1.0, 0.8])
+    text = "\n".join(report._against_peers())
+    assert "### Rounds: custody r1 and each peer, alternated" in text
+    assert (
+        "the median of 3 alternated rounds: custody r1 moves **2.00 x** the operations/s of"
+        " Celery (the rounds: 1.50, 2.00, 2.00) and **0.90 x** the operations/s of pgqueuer"
+        " (the rounds: 0.90, 1.00, 0.80)" in text
+    )
+    assert "| **median** | 1,000 |" in text
+    assert "moves 1.50 x the operations/s of Celery in round 1" in text
+
+
+def test_one_round_reports_no_median() -> None:
+    text = "\n".join(_report([(900, 600, 1000)])._against_peers())
+    assert "Rounds:" not in text and "the median of" not in text
+    assert "moves 1.50 x the operations/s of Celery" in text
+    assert "in round 1" not in text
+
+
+def test_the_median_of_an_even_count_is_the_mean_of_the_middle_two() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    with pytest.raises(ValueError, match="median of nothing"):
+        median([])
