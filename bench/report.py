@@ -438,8 +438,10 @@ class Report:
             f" and each system's burst has its own window; so the run repeats {label}'s"
             f" burst and then each peer's, {len(rounds)} times in all. Round 1 is the table"
             " above; the others are bursts only (no light-load phase), each checked exactly"
-            " once like the first. A round's ratio compares two windows minutes apart at"
-            " most; the median of the rounds' ratios is the run's figure.",
+            " once like the first (*Correctness* below). A round's ratio compares two"
+            " windows minutes apart at most; the median of the rounds' ratios is the run's"
+            " figure. The last row gives each column's own median (the median ratio is not"
+            " the ratio of the median operations/s).",
             "",
             *_table(header, rows),
             "",
@@ -831,6 +833,18 @@ class Report:
                 f" one at a time, {r.workflows:,} in the burst), {r.effects:,} effect rows:"
                 " every workflow exactly its steps 1, 2 and 3, none missing, none extra;"
                 f" redeliveries absorbed by the key: {r.redeliveries}; " + "; ".join(r.checks)
+            )
+        for n, again in enumerate(self.rounds, 2):
+            c = again.custody
+            lines.append(
+                f"- round {n}: {c.label} {c.instances + c.warm_instances:,} instances"
+                f" finished, effects as expected, duplicates {c.duplicates}, quarantined"
+                f" {c.quarantined}, shutdown exit codes {sorted(set(c.shutdown_codes))}; "
+                + "; ".join(
+                    f"{r.system} {r.workflows + r.warmup:,} workflows, {r.effects:,} effect"
+                    " rows, each exactly once"
+                    for r in again.peers
+                )
             )
         lines.append(
             f"- baseline: {b.ops + b.warmup:,} commands published, received and replied,"

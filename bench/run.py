@@ -142,7 +142,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         type=int,
         help="custody r1's burst and each peer's, alternated this many times; the report"
         " gives each round's ratios and their median (default 3, --quick 1; with no"
-        " peers, 1)",
+        " peers, 1). With --profile, every round's custody burst is sampled",
     )
     p.add_argument("--quick", action="store_true", help="a small run for smoke-testing")
     p.add_argument(
@@ -152,6 +152,8 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         help=f"markdown report (default {RESULTS.relative_to(ROOT)})",
     )
     a = p.parse_args(argv)
+    if a.rounds is not None and a.rounds < 1:
+        p.error("--rounds: at least 1")
     replicas_text = a.replicas or ("1" if a.quick else "1,2")
     try:
         replicas = tuple(int(x) for x in replicas_text.split(",") if x.strip())
@@ -194,7 +196,6 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         or opts.peer_workflows < 1
         or opts.celery_concurrency < 1
         or opts.pgqueuer_workers < 1
-        or opts.rounds < 1
         or (backlog is not None and (backlog.finished < 1 or backlog.pending < 1))
     ):
         p.error("sizes must be positive (--warmup too: the backlog copies the warm-up)")
@@ -239,6 +240,15 @@ async def main_async(opts: Options) -> int:
         return await _runs(opts, settings)
 
 
+def reference_first(replicas: Sequence[int]) -> tuple[int, list[int]]:
+    """The replica setting every ratio is taken against (1 when it is run, else the
+    first given: the report's head), then the others in their order."""
+    ref = 1 if 1 in replicas else replicas[0]
+    others = list(replicas)
+    others.remove(ref)
+    return ref, others
+
+
 async def _runs(opts: Options, settings: Settings) -> int:
     started = time.monotonic()
     machine = await machine_facts(settings)
@@ -251,7 +261,7 @@ async def _runs(opts: Options, settings: Settings) -> int:
         report = Report(report_time, command(), machine, settings, b)
         # custody r1 first and the peers right after it: the ratios that matter most
         # are measured close together; then the other replica settings, the backlog
-        first, *others = opts.replicas
+        first, others = reference_first(opts.replicas)
         await _custody(opts, settings, report, logs, first)
         for peer in opts.peers:
             report.peers.append(await _peer(opts, settings, logs, peer, report, light=opts.light))
@@ -266,6 +276,7 @@ async def _runs(opts: Options, settings: Settings) -> int:
                 warmup=opts.warmup,
                 light=0,
                 logs=logs,
+                profile=opts.profile,  # every round alike (py-spy slows a worker)
             )
             print(f"  {c.label} (round {n}): {c.ops_per_s:,.0f} operations/s", flush=True)
             again = Round(c, [])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import pace
+from bench import pace, run
 from bench.baseline_run import BaselineResult
-from bench.cpu import CpuWindow, MachineCpu
+from bench.cpu import CpuRow, CpuWindow, MachineCpu
 from bench.custody_run import CustodyResult
 from bench.peers import PeerResult
 from bench.report import Machine, Report, Round, machine_pace, median, round_ratios
@@ -43,7 +43,13 @@ def test_the_backlog_is_put_at_the_empty_table_windows_pace() -> None:
     assert machine_pace(_window(None), _window(1000.0)) is None
 
 
-def _custody(ops_per_s: float, pace_us: float) -> CustodyResult:
+def _custody(ops_per_s: float, pace_us: float, cpu_s: float = 6.0) -> CustodyResult:
+    cpu = CpuWindow(
+        seconds=3000 / ops_per_s,
+        rows=[CpuRow("receipts-1", "custody workers", cpu_s), CpuRow("kworker", "other", 9.0)],
+        machine=MachineCpu(0.0, 0.0, 0.0, 0.0),
+        pace_us=pace_us,
+    )
     return CustodyResult(
         replicas=1,
         instances=1000,
@@ -70,11 +76,11 @@ def _custody(ops_per_s: float, pace_us: float) -> CustodyResult:
         duplicates=0,
         quarantined=0,
         shutdown_codes=[0],
-        cpu=_window(pace_us),
+        cpu=cpu,
     )
 
 
-def _peer(system: str, ops_per_s: float) -> PeerResult:
+def _peer(system: str, ops_per_s: float, pace_us: float = 1000.0) -> PeerResult:
     return PeerResult(
         system=system,
         version="1",
@@ -92,13 +98,21 @@ def _peer(system: str, ops_per_s: float) -> PeerResult:
         light_wf_p99_ms=0.0,
         effects=3000,
         redeliveries=0,
-        cpu=_window(1000.0),
+        cpu=_window(pace_us),
     )
 
 
-def _report(rounds: list[tuple[float, float, float]]) -> Report:
-    """Rounds of (custody, Celery, pgqueuer) operations/s; the first is the main table."""
-    (c, celery, pgq), *rest = rounds
+# (custody, Celery, pgqueuer) operations/s per round, and custody's CPU seconds. Each
+# peer's median ratio differs from its round-1 ratio, its largest, its smallest and the
+# ratio of the median operations/s (Celery 1.69 against 2.00, 1.50 and 1.67; pgqueuer
+# 0.92 against 0.80, 1.00 and 0.83), so any of those in its place fails.
+ROUNDS = [(1000.0, 500.0, 1250.0, 6.0), (900.0, 600.0, 900.0, 5.4), (1100.0, 650.0, 1200.0, 7.2)]
+
+
+def _report(rounds: list[tuple[float, float, float, float]]) -> Report:
+    """Rounds of (custody, Celery, pgqueuer) operations/s and custody's CPU seconds;
+    the first is the main table's."""
+    (c, celery, pgq, cpu), *rest = rounds
     machine = Machine(2, "cpu", "k", "3.11", "3", "25", "15", "", "0", "abc")
     report = Report(
         datetime(2026, 12, 6, tzinfo=UTC),
@@ -109,11 +123,14 @@ def _report(rounds: list[tuple[float, float, float]]) -> Report:
             ops=300, warmup=0, seconds=1.0, p50_ms=1, p99_ms=1, max_ms=1, cpu=_window(1000.0)
         ),
     )
-    report.custody.append(_custody(c, 1000.0))
-    report.peers += [_peer("Celery", celery), _peer("pgqueuer", pgq)]
+    report.custody.append(_custody(c, 800.0, cpu))
+    report.peers += [_peer("Celery", celery, 850.0), _peer("pgqueuer", pgq, 830.0)]
     report.rounds += [
-        Round(_custody(c2, 1000.0), [_peer("Celery", ce2), _peer("pgqueuer", pg2)])
-        for c2, ce2, pg2 in rest
+        Round(
+            _custody(c2, 790.0 + n, cpu2),
+            [_peer("Celery", ce2, 820.0 + n), _peer("pgqueuer", pg2, 840.0 + n)],
+        )
+        for n, (c2, ce2, pg2, cpu2) in enumerate(rest)
     ]
     return report
 
@@ -121,26 +138,39 @@ def _report(rounds: list[tuple[float, float, float]]) -> Report:
 def test_the_peers_ratio_is_the_median_of_the_alternated_rounds() -> None:
     """One window can fall in a slow minute: each round compares custody's burst with
     the peers' right after it, and the run's figure is the median of those ratios, not
-    the first round's alone."""
-    report = _report([(900, 600, 1000), (1200, 600, 1200), (1000, 500, 1250)])
+    the first round's alone, nor the ratio of the median operations/s."""
+    report = _report(ROUNDS)
     rounds = report.all_rounds()
-    assert round_ratios(rounds, "Celery") == pytest.approx([1.5, 2.0, 2.0])
-    assert round_ratios(rounds, "pgqueuer") == pytest.approx([0.9, 1.0, 0.8])
+    assert round_ratios(rounds, "Celery") == pytest.approx([2.0, 1.5, 1100 / 650])
+    assert round_ratios(rounds, "pgqueuer") == pytest.approx([0.8, 1.0, 1100 / 1200])
     text = "\n".join(report._against_peers())
     assert "### Rounds: custody r1 and each peer, alternated" in text
     assert (
-        "the median of 3 alternated rounds: custody r1 moves **2.00 x** the operations/s of"
-        " Celery (the rounds: 1.50, 2.00, 2.00) and **0.90 x** the operations/s of pgqueuer"
-        " (the rounds: 0.90, 1.00, 0.80)" in text
+        "the median of 3 alternated rounds: custody r1 moves **1.69 x** the operations/s of"
+        " Celery (the rounds: 2.00, 1.50, 1.69) and **0.92 x** the operations/s of pgqueuer"
+        " (the rounds: 0.80, 1.00, 0.92)" in text
     )
-    assert "| **median** | 1,000 |" in text
-    assert "moves 1.50 x the operations/s of Celery in round 1" in text
+    assert "moves 2.00 x the operations/s of Celery in round 1" in text
+
+
+def test_each_round_is_a_row_of_its_own_windows_and_the_last_row_the_medians() -> None:
+    """Each round's row pairs custody's burst with the peers' of the same round (its
+    operations/s, CPU per operation and pace, theirs, the ratios); the last row gives
+    each column's median."""
+    lines = _report(ROUNDS)._rounds()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| round")]
+    assert rows == [
+        "| 1 | 1,000 | 2.00 | 800 | 500 | 850 | 2.00 | 1,250 | 830 | 0.80 |",
+        "| 2 | 900 | 1.80 | 790 | 600 | 820 | 1.50 | 900 | 840 | 1.00 |",
+        "| 3 | 1,100 | 2.40 | 791 | 650 | 821 | 1.69 | 1,200 | 841 | 0.92 |",
+        "| **median** | 1,000 | 2.00 |  | 600 |  | **1.69** | 1,200 |  | **0.92** |",
+    ]
 
 
 def test_one_round_reports_no_median() -> None:
-    text = "\n".join(_report([(900, 600, 1000)])._against_peers())
+    text = "\n".join(_report(ROUNDS[:1])._against_peers())
     assert "Rounds:" not in text and "the median of" not in text
-    assert "moves 1.50 x the operations/s of Celery" in text
+    assert "moves 2.00 x the operations/s of Celery" in text
     assert "in round 1" not in text
 
 
@@ -149,3 +179,23 @@ def test_the_median_of_an_even_count_is_the_mean_of_the_middle_two() -> None:
     assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
     with pytest.raises(ValueError, match="median of nothing"):
         median([])
+
+
+def test_rounds_default_to_three_with_peers_and_one_without(tmp_path: Path) -> None:
+    out = ["--output", str(tmp_path / "r.md")]
+    assert run.parse(out).rounds == 3
+    assert run.parse([*out, "--quick"]).rounds == 1
+    assert run.parse([*out, "--peers", "none"]).rounds == 1
+    assert run.parse([*out, "--peers", "none", "--rounds", "4"]).rounds == 1
+    assert run.parse([*out, "--rounds", "5"]).rounds == 5
+    with pytest.raises(SystemExit):
+        run.parse([*out, "--rounds", "0"])
+
+
+def test_the_rounds_repeat_the_replica_setting_the_ratios_are_taken_against() -> None:
+    """The report's reference is custody r1 whenever it runs: it runs first, beside
+    the peers, and the later rounds repeat it, whatever the order of --replicas."""
+    assert run.reference_first([1, 2]) == (1, [2])
+    assert run.reference_first([2, 1]) == (1, [2])
+    assert run.reference_first([3, 2]) == (3, [2])
+    assert run.reference_first([2, 1, 1]) == (1, [2, 1])
