@@ -109,8 +109,8 @@ class Settings:
     # The cyclic garbage collector's youngest-generation threshold, in a worker: how many
     # more container objects allocated than freed between its collections (Python's
     # default is 700). A worker's batch makes and drops thousands of short-lived objects;
-    # at 700 it collected several times per batch, 3-8 % of a worker's CPU (README,
-    # Performance). Cycles are still collected, only less often.
+    # at 700 it collected several times per batch, 3-8 % of a worker's CPU
+    # (docs/performance.md). Cycles are still collected, only less often.
     gc_threshold: int = 10_000
     # SIGTERM: stop claiming, then drain in-flight work this long (keep it below the
     # platform's grace period: terminationGracePeriodSeconds 30, stop_grace_period 30s)

@@ -4,7 +4,7 @@ collector's youngest-generation threshold of ``CUSTODY_GC_THRESHOLD`` (10,000 by
 
 A worker's time goes to many small waits (a statement's answer, a delivery, a confirm,
 a NOTIFY); on uvloop each costs less, and every worker of the bench's fleet spent 8-15 %
-less CPU per operation (README, Performance). The loop is the process's own choice, so
+less CPU per operation (docs/performance.md). The loop is the process's own choice, so
 it is checked on real processes: each says its loop in ``worker.started`` and does its
 work on it (an engine worker and a participant, each isolating a malformed message),
 then drains on SIGTERM; a loop that is not one of the two is refused at once.

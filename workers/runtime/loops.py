@@ -3,7 +3,7 @@
 ``uvloop`` (the default) is libuv's loop, written in C: a worker's time goes to many
 small waits (a statement's answer, a delivery, a confirm, a NOTIFY), and each costs less
 on it. Measured alternated on the bench's fleet, every worker spent 8-15 % less CPU per
-operation with it (README, Performance). ``asyncio`` is the standard library's loop,
+operation with it (docs/performance.md). ``asyncio`` is the standard library's loop,
 kept as the way back if a platform or a library ever disagrees with uvloop.
 """
 
