@@ -262,31 +262,22 @@ async def _runs(opts: Options, settings: Settings) -> int:
         # custody r1 first and the peers right after it: the ratios that matter most
         # are measured close together; then the other replica settings, the backlog
         first, others = reference_first(opts.replicas)
-        await _custody(opts, settings, report, logs, first)
+        head = await _custody(opts, settings, report, logs, first)
+        report.custody.append(head)
         for peer in opts.peers:
-            report.peers.append(await _peer(opts, settings, logs, peer, report, light=opts.light))
+            report.peers.append(await _peer(opts, settings, logs, peer, head, light=opts.light))
         # the ratios again, alternated: custody r1's burst, then each peer's (bursts only;
         # each checked exactly once the same way); the report takes the rounds' median
         for n in range(2, opts.rounds + 1):
             print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
-            c = await run_custody(
-                settings,
-                replicas=first,
-                instances=opts.instances,
-                warmup=opts.warmup,
-                light=0,
-                logs=logs,
-                profile=opts.profile,  # every round alike (py-spy slows a worker)
-            )
-            print(f"  {c.label} (round {n}): {c.ops_per_s:,.0f} operations/s", flush=True)
-            again = Round(c, [])
+            again = Round(await _custody(opts, settings, report, logs, first, light=0))
             report.rounds.append(again)
             for peer in opts.peers:
-                again.peers.append(await _peer(opts, settings, logs, peer, report, light=0, of=c))
+                again.peers.append(await _peer(opts, settings, logs, peer, again.custody, light=0))
         for replicas in others:
-            await _custody(opts, settings, report, logs, replicas)
+            report.custody.append(await _custody(opts, settings, report, logs, replicas))
         if opts.backlog is not None:
-            await _custody(opts, settings, report, logs, 1, opts.backlog)
+            report.custody.append(await _custody(opts, settings, report, logs, 1, opts.backlog))
     report.total_s = time.monotonic() - started
     text = report.markdown()
     print()
@@ -304,13 +295,11 @@ async def _peer(
     settings: Settings,
     logs: Path,
     peer: str,
-    report: Report,
+    of: CustodyResult,
     *,
     light: int,
-    of: CustodyResult | None = None,
 ) -> PeerResult:
-    """One peer's run; ``of`` is the custody burst it is compared with (round 1's head
-    when None)."""
+    """One peer's run, compared in the log with ``of``, the custody burst of its round."""
     if peer == "celery":
         r = await run_celery(
             settings,
@@ -329,11 +318,10 @@ async def _peer(
             workers=opts.pgqueuer_workers,
             logs=logs,
         )
-    head = of or report.custody[0]
     print(
         f"  {r.system}: {r.ops_per_s:,.0f} operations/s, {r.workflows_per_s:,.0f}"
-        f" workflows/s (custody r{head.replicas} / {r.system}:"
-        f" {head.ops_per_s / r.ops_per_s:.2f})",
+        f" workflows/s (custody r{of.replicas} / {r.system}:"
+        f" {of.ops_per_s / r.ops_per_s:.2f})",
         flush=True,
     )
     return r
@@ -346,13 +334,17 @@ async def _custody(
     logs: Path,
     replicas: int,
     backlog: Backlog | None = None,
-) -> None:
+    *,
+    light: int | None = None,
+) -> CustodyResult:
+    """One custody run (with the light-load phase unless ``light`` or a backlog says
+    otherwise); the caller records it, in the main table or as a round."""
     c = await run_custody(
         settings,
         replicas=replicas,
         instances=opts.instances,
         warmup=opts.warmup,
-        light=0 if backlog else opts.light,
+        light=(0 if backlog else opts.light) if light is None else light,
         backlog=backlog,
         logs=logs,
         profile=opts.profile,
@@ -363,7 +355,7 @@ async def _custody(
         f" ({c.ops_per_s / b.ops_per_s:.2f} x baseline)",
         flush=True,
     )
-    report.custody.append(c)
+    return c
 
 
 def main(argv: Sequence[str] | None = None) -> int:
