@@ -541,13 +541,13 @@ class Report:
         parts = []
         rounds = self.all_rounds()
         if len(rounds) > 1:
-            each = [
-                f"**{_ratio(median(round_ratios(rounds, r.system)))} x** the operations/s of"
-                f" {r.system} (the rounds: "
-                + ", ".join(_ratio(x) for x in round_ratios(rounds, r.system))
-                + ")"
-                for r in self.peers
-            ]
+            each = []
+            for r in self.peers:
+                ratios = round_ratios(rounds, r.system)
+                each.append(
+                    f"**{_ratio(median(ratios))} x** the operations/s of {r.system}"
+                    f" (the rounds: {', '.join(_ratio(x) for x in ratios)})"
+                )
             parts.append(
                 f"the median of {len(rounds)} alternated rounds: custody r{head.replicas}"
                 f" moves {' and '.join(each)}"
