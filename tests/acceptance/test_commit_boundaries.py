@@ -187,23 +187,28 @@ async def test_a_command_confirmed_twice_is_answered_with_its_stored_receipt(
     # sent yet (committed by a later transaction) do not, and are sent a first time later
     arrived: list[str] = []
 
-    async def first_copies_answered() -> bool:
-        nonlocal arrived
-        if (await queue_state(env, broker.command_queue("inventory.v1")))[0]:
-            return False
+    async def inbox() -> dict[str, str]:
+        """The status of each held command the participant retained."""
         rows = await env.sql(
             "SELECT request_id::text, status FROM participant_inventory.inbox"
             " WHERE request_id = ANY(%s)",
             (held,),
             participant=True,
         )
+        return dict(rows)
+
+    async def first_copies_answered() -> bool:
+        nonlocal arrived
+        if (await queue_state(env, broker.command_queue("inventory.v1")))[0]:
+            return False
+        retained = await inbox()
         unsent = await count(
             env,
             "SELECT count(*) FROM participant_inventory.outbox WHERE status = 'pending'",
             participant=True,
         )
-        arrived = [i for i, _ in rows]
-        return bool(rows) and all(s != "accepted" for _, s in rows) and unsent == 0
+        arrived = list(retained)
+        return bool(retained) and "accepted" not in retained.values() and unsent == 0
 
     await crew.wait(first_copies_answered, timeout=30, what="the first copies answered")
 
@@ -234,13 +239,8 @@ async def test_a_command_confirmed_twice_is_answered_with_its_stored_receipt(
     await crew.wait(reemitted, timeout=30, what="every second copy answered by its stored receipt")
 
     async def all_answered() -> bool:
-        return len(held) == await count(
-            env,
-            "SELECT count(*) FROM participant_inventory.inbox"
-            " WHERE request_id = ANY(%s) AND status <> 'accepted'",
-            (held,),
-            participant=True,
-        )
+        retained = await inbox()
+        return len(retained) == len(held) and "accepted" not in retained.values()
 
     await crew.wait(all_answered, timeout=30, what="every held command answered")
     reservations = await count(
