@@ -22,6 +22,7 @@ class Reason(enum.StrEnum):
     UNKNOWN_TYPE = "unknown_type"
     NON_CANONICAL_VALUE = "non_canonical_value"
     UNDECODABLE_PROPERTIES = "undecodable_properties"
+    MALFORMED_ENVELOPE = "malformed_envelope"
     # receipts and query answers, in the order validation checks them
     WRONG_TENANT = "wrong_tenant"
     MISSING_USER_ID = "missing_user_id"
