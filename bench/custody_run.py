@@ -278,7 +278,9 @@ async def run_custody(
         amqp = broker.Broker(amqp_url, "bench-client")
         await amqp.connect()
         try:
-            pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
+            pub = await amqp.publisher(
+                window=64, timeout_s=10, user_id=None, envelope_max=Settings.read("envelope_max")
+            )
             async with await psycopg.AsyncConnection.connect(
                 engine_url, autocommit=True, application_name="bench-poll"
             ) as conn:

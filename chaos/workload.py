@@ -19,7 +19,7 @@ import psycopg
 from participants import samples
 from workers import errors
 from workers.io import broker
-from workers.settings import ROOT
+from workers.settings import ROOT, Settings
 
 OPERATOR = "oncall"  # deploy/operators.toml: every action, every tenant
 
@@ -67,7 +67,9 @@ class Starts:
             amqp = broker.Broker(self.amqp_url, "chaos-starts")
             await amqp.connect()
             self._amqp = amqp
-        return await self._amqp.publisher(window=64, timeout_s=10, user_id=None)
+        return await self._amqp.publisher(
+            window=64, timeout_s=10, user_id=None, envelope_max=Settings.read("envelope_max")
+        )
 
     async def _close(self) -> None:
         if self._amqp is not None:

@@ -43,6 +43,7 @@ OTHER_PREFIXES = (PREFIX + "TEST_",)
 ROOT = Path(__file__).resolve().parent.parent
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVENT_LOOPS = ("uvloop", "asyncio")
+ENVELOPE_LIMIT = 256  # workers.core.envelope.MAX_ITEMS: what a consumer accepts
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class Settings:
     prefetch: int = 400
     linger_ms: int = 5
     confirm_window: int = 64
+    # A sender's messages for one queue that leave together (the submits of one commit
+    # for one participant, the receipts of one participant commit, a client's start
+    # requests) travel in envelopes of up to this many, one AMQP message each
+    # (workers.core.envelope): the broker and every worker pay a message's cost once
+    # per envelope. 1: every message alone, for a consumer that does not read them.
+    envelope_max: int = 64
     confirm_timeout_s: float = 10.0
     poll_interval_s: float = 1.0
     # A participant runs its fast handlers (those it declares inline) in the acceptance
@@ -159,6 +166,8 @@ class Settings:
         for name in ("batch_size", "prefetch", "confirm_window", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1")
+        if not 1 <= self.envelope_max <= ENVELOPE_LIMIT:
+            raise ConfigError(f"{PREFIX}ENVELOPE_MAX must be between 1 and {ENVELOPE_LIMIT}")
         if self.prefetch < self.batch_size:
             raise ConfigError(
                 f"{PREFIX}PREFETCH ({self.prefetch}) must be at least "

@@ -135,7 +135,12 @@ async def cmd_start(settings: Settings, args: Args) -> int:
     amqp = broker.Broker(settings.amqp_url, "cli", broker.tls(settings))
     await amqp.connect()
     try:
-        pub = await amqp.publisher(window=64, timeout_s=settings.confirm_timeout_s, user_id=None)
+        pub = await amqp.publisher(
+            window=64,
+            timeout_s=settings.confirm_timeout_s,
+            user_id=None,
+            envelope_max=settings.envelope_max,
+        )
         outcomes = await pub.publish_many(items)
     finally:
         await amqp.close()

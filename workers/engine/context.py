@@ -64,7 +64,10 @@ class Context:
             database=self.db,
             lease=self.lease,
             publisher=await self.broker.publisher(
-                window=s.confirm_window, timeout_s=s.confirm_timeout_s, user_id=None
+                window=s.confirm_window,
+                timeout_s=s.confirm_timeout_s,
+                user_id=None,
+                envelope_max=s.envelope_max,
             ),
             batch_size=s.batch_size,
             claim_ttl_s=s.lease_ttl_s,

@@ -108,7 +108,9 @@ async def run(settings: Settings, *, instances: int, replicas: int, keep: bool =
     try:
         amqp = broker.Broker(amqp_url, "demo-client")
         await amqp.connect()
-        pub = await amqp.publisher(window=64, timeout_s=10, user_id=None)
+        pub = await amqp.publisher(
+            window=64, timeout_s=10, user_id=None, envelope_max=Settings.read("envelope_max")
+        )
         items = [
             broker.start_request(
                 tenant="acme", process="order-fulfilment", input=order, requested_by="demo"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import inspect
 import json
 import logging
 import random
@@ -27,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, cast
@@ -48,7 +47,7 @@ from yarl import URL
 from contracts import codec
 from contracts.models import StartRequest
 from workers import errors
-from workers.core import amqp_url, backoff, commands
+from workers.core import amqp_url, backoff, commands, envelope
 from workers.io import amqp_frames, amqp_marshal, amqp_writes, startup
 from workers.settings import Settings
 
@@ -74,6 +73,8 @@ RECEIPTS_KEY: Final = "receipts"
 START_KEY: Final = "start"
 CANCEL_KEY: Final = "cancel"
 UNDECODABLE: Final = "undecodable_properties"
+MALFORMED_ENVELOPE: Final = "malformed_envelope"
+JSON: Final = "application/json"
 POLICY_NAME: Final = "custody-queues"
 RECONNECT_INTERVAL_S: Final = 1.0  # the pause between two attempts, before any backoff
 CONNECT_TIMEOUT_S: Final = 10.0  # one attempt (TCP, TLS, AMQP handshake) on one node
@@ -156,41 +157,79 @@ class Delivery:
     # what its handler learnt of it (operation_id, instance_id, outcome): the ids of the
     # consumer's log lines about it after the commit (unit.done, a dead-letter)
     ids: dict[str, Any] = field(default_factory=dict)
+    # the reason code ``payload()`` raises with when ``undecodable`` is set
+    undecodable_reason: str = UNDECODABLE
+    # an item of an envelope: the envelope, settled once every item of it is
+    _envelope: _Envelope | None = None
 
     def payload(self) -> bytes:
         """The body, for a handler's decoder: a delivery whose properties could not be
-        decoded raises ``codec.DecodeError("undecodable_properties")`` instead, so every
-        handler isolates it on its existing path (quarantine or refusal, raw body and
-        reason kept, then acked) and never acts on it."""
+        decoded (or an envelope that could not be split) raises
+        ``codec.DecodeError("undecodable_properties")`` (``"malformed_envelope"``)
+        instead, so every handler isolates it on its existing path (quarantine or
+        refusal, raw body and reason kept, then acked) and never acts on it."""
         if self.undecodable is not None:
-            raise codec.DecodeError(UNDECODABLE, self.undecodable)
+            raise codec.DecodeError(self.undecodable_reason, self.undecodable)
         return self.body
 
     async def ack(self) -> None:
         """Ack on the channel it came from, once; a closed channel means the broker will
-        redeliver it, and the consumer's idempotency handles that."""
-        await self._settle(_ack(self._message))
+        redeliver it, and the consumer's idempotency handles that. An envelope's item
+        is acked with the last item of it settled (:class:`_Envelope`)."""
+        await self._settle(_ACK)
 
     async def reject(self) -> None:
         """Reject without requeue: the queue's policy dead-letters it."""
-        await self._settle(_reject(self._message, requeue=False))
+        await self._settle(_REJECT)
 
     async def requeue(self) -> None:
-        await self._settle(_reject(self._message, requeue=True))
+        await self._settle(_REQUEUE)
 
-    async def _settle(self, action: Awaitable[Any]) -> None:
+    async def _settle(self, how: int) -> None:
         if self.settled:
-            if inspect.iscoroutine(action):
-                action.close()
             return
-        self._mark_settled()
-        with contextlib.suppress(*_SETTLE_ERRORS):
-            await action
+        if self._envelope is not None:
+            settled = self._envelope.settle(self, how)
+            if settled is None:
+                return
+            how = settled
+        await _settle_message(self, how)
 
     def _mark_settled(self) -> None:
         self.settled = True
         if self._ledger is not None:
             self._ledger.settled(self._message)
+
+
+# How a delivery is settled, in the order an envelope's items outrank one another.
+_ACK: Final = 0
+_REJECT: Final = 1
+_REQUEUE: Final = 2
+
+
+class _Envelope:
+    """The items of one envelope, settled as one AMQP message once each is settled.
+
+    The message's settlement is the strongest of its items': any item requeued
+    requeues it (a stopping consumer gives back what it did not handle: the items
+    already committed come back too, and their inboxes absorb them), else any item
+    rejected rejects it (the queue's policy dead-letters the envelope, every item in
+    it: a participant's poison command, which it may not publish to the dead-letter
+    exchange itself, takes its envelope's siblings with it, already applied), else it
+    is acked: never before the last item's commit."""
+
+    __slots__ = ("how", "left")
+
+    def __init__(self, items: int) -> None:
+        self.left = items
+        self.how = _ACK
+
+    def settle(self, item: Delivery, how: int) -> int | None:
+        """Mark ``item`` settled; the envelope's settlement once it was the last."""
+        item.settled = True
+        self.left -= 1
+        self.how = max(self.how, how)
+        return self.how if self.left == 0 else None
 
 
 class Ledger:
@@ -240,6 +279,19 @@ async def ack_all(deliveries: Sequence[Delivery]) -> None:
     for d in deliveries:
         if d.settled:
             continue
+        if d._envelope is not None:
+            # an envelope's item: its message is settled with its last item, and an
+            # envelope with an item requeued or rejected is settled that way
+            how = d._envelope.settle(d, _ACK)
+            if how is None:
+                continue
+            if how != _ACK:
+                await _settle_message(d, how)
+                continue
+            # the last item stands for its envelope's message from here on: acked
+            # below, with the others of its channel or alone
+            d.settled = False
+            d._envelope = None
         key = Ledger._key(d._message) if d._ledger is not None else None
         if key is None:
             single.append(d)
@@ -258,6 +310,16 @@ async def ack_all(deliveries: Sequence[Delivery]) -> None:
             await _ack(top._message, multiple=True)
     for d in single:
         await d.ack()
+
+
+async def _settle_message(d: Delivery, how: int) -> None:
+    """Settle the AMQP message ``d`` came in (an envelope's, once its last item is)."""
+    d._mark_settled()
+    with contextlib.suppress(*_SETTLE_ERRORS):
+        if how == _ACK:
+            await _ack(d._message)
+        else:
+            await _reject(d._message, requeue=how == _REQUEUE)
 
 
 async def _ack(message: DeliveredMessage, *, multiple: bool = False) -> None:
@@ -364,6 +426,39 @@ def _delivery(message: DeliveredMessage) -> Delivery:
         undecodable=problems,
         exchange=printable(exchange or ""),
     )
+
+
+def _deliveries(message: DeliveredMessage) -> list[Delivery]:
+    """The deliveries of one AMQP message: itself, or each item of an envelope
+    (``workers.core.envelope``). An envelope that cannot be split is one delivery,
+    isolated whole (reason ``malformed_envelope``); so is one whose properties could
+    not be decoded."""
+    d = _delivery(message)
+    if message.header.properties.content_type != envelope.CONTENT_TYPE or d.undecodable:
+        return [d]
+    try:
+        items = envelope.unpack(d.body)
+    except envelope.Malformed as exc:
+        d.undecodable = f"envelope: {exc}"
+        d.undecodable_reason = MALFORMED_ENVELOPE
+        return [d]
+    shared = _Envelope(len(items))
+    return [
+        Delivery(
+            body=item.body,
+            message_id=printable(item.message_id),
+            user_id=d.user_id,
+            # the envelope's own headers beneath the item's: what the broker added to
+            # the envelope (a dead letter's x-death) is each item's too
+            headers={**d.headers, **item.headers} if d.headers else item.headers,
+            redelivered=d.redelivered,
+            routing_key=d.routing_key,
+            _message=message,
+            exchange=d.exchange,
+            _envelope=shared,
+        )
+        for item in items
+    ]
 
 
 @dataclass(frozen=True)
@@ -702,9 +797,9 @@ class Broker:
 
         def on_message(message: DeliveredMessage) -> None:
             ledger.received(message)
-            delivery = _delivery(message)
-            delivery._ledger = ledger
-            inbox.put_nowait(delivery)
+            for delivery in _deliveries(message):
+                delivery._ledger = ledger
+                inbox.put_nowait(delivery)
 
         async def cleanup() -> None:
             # With the broker gone, the consumers and the channel went with the
@@ -767,11 +862,13 @@ class Broker:
                 # (aio-pika's iterator would nack its buffer one by one on exit)
                 lean = cast(_LeanQueue, q)
                 await lean.consume(inbox.put_nowait, no_ack=False, robust=False, raw=True)
-            while len(held) < expected:
+            taken = 0  # messages: an envelope is held as its items
+            while taken < expected:
                 try:
-                    held.append(_delivery(await asyncio.wait_for(inbox.get(), quiet_s)))
+                    held += _deliveries(await asyncio.wait_for(inbox.get(), quiet_s))
                 except TimeoutError:
                     break
+                taken += 1
         except Exception as exc:
             if channel is not None:
                 with contextlib.suppress(Exception):
@@ -787,19 +884,35 @@ class Broker:
             with contextlib.suppress(Exception):
                 await channel.close()
 
-    async def publisher(self, *, window: int, timeout_s: float, user_id: str | None) -> Publisher:
-        return Publisher(self, window=window, timeout_s=timeout_s, user_id=user_id)
+    async def publisher(
+        self, *, window: int, timeout_s: float, user_id: str | None, envelope_max: int = 1
+    ) -> Publisher:
+        return Publisher(
+            self, window=window, timeout_s=timeout_s, user_id=user_id, envelope_max=envelope_max
+        )
 
     async def _confirm_channel(self) -> AbstractChannel:
         return await self._connection().channel(publisher_confirms=True, on_return_raises=True)
 
 
 class Publisher:
-    """Confirmed publishing with a bounded window of unconfirmed messages."""
+    """Confirmed publishing with a bounded window of unconfirmed messages.
+
+    With ``envelope_max`` above 1, the messages of one :meth:`publish_many` call for the
+    same exchange and routing key leave in envelopes of up to that many
+    (``workers.core.envelope``; never a dead letter, nor a message alone), each item
+    with the outcome of its envelope's confirm."""
 
     def __init__(
-        self, broker: Broker, *, window: int, timeout_s: float, user_id: str | None
+        self,
+        broker: Broker,
+        *,
+        window: int,
+        timeout_s: float,
+        user_id: str | None,
+        envelope_max: int = 1,
     ) -> None:
+        self._envelope_max = min(envelope_max, envelope.MAX_ITEMS)
         self._broker = broker
         self._window = asyncio.Semaphore(window)
         self._timeout_s = timeout_s
@@ -820,15 +933,74 @@ class Publisher:
                 raise
             return [Outcome(i.message_id, False, f"channel: {exc}") for i in items]
         assert isinstance(underlay, aiormq.Channel)
-        return list(await asyncio.gather(*(self._one(underlay, i) for i in items)))
+        if self._envelope_max < 2 or len(items) < 2:
+            return list(await asyncio.gather(*(self._one(underlay, i) for i in items)))
+        messages = self._envelopes(items)
+        sent = await asyncio.gather(*(self._one(underlay, m, ct) for m, ct, _ in messages))
+        outcome: dict[int, Outcome] = {}
+        for (_, _, inside), result in zip(messages, sent, strict=True):
+            for i in inside:
+                outcome[id(i)] = Outcome(i.message_id, result.ok, result.error)
+        return [outcome[id(i)] for i in items]
 
-    async def _one(self, channel: aiormq.Channel, item: Outgoing) -> Outcome:
+    def _envelopes(self, items: Sequence[Outgoing]) -> list[tuple[Outgoing, str, list[Outgoing]]]:
+        """The messages to publish for ``items``: those for one exchange and routing key
+        in envelopes of up to ``envelope_max`` items and ``envelope.MAX_PACKED_BYTES`` of
+        bodies, in their order; a dead letter, an item whose headers an envelope cannot
+        carry, a large one and one left alone as they are. Each with its content type
+        and the items it carries."""
+        alone: list[Outgoing] = []
+        routes: dict[tuple[str, str], list[list[Outgoing]]] = {}
+        sizes: dict[tuple[str, str], int] = {}
+        for i in items:
+            if (
+                i.exchange == EXCHANGE_DEAD
+                or len(i.body) > envelope.MAX_PACKED_BYTES // 2
+                or not envelope.packable(i.headers)
+            ):
+                alone.append(i)
+                continue
+            route = (i.exchange, i.routing_key)
+            chunks = routes.setdefault(route, [[]])
+            if (
+                len(chunks[-1]) == self._envelope_max
+                or sizes.get(route, 0) + len(i.body) > envelope.MAX_PACKED_BYTES
+            ):
+                chunks.append([])
+                sizes[route] = 0
+            chunks[-1].append(i)
+            sizes[route] = sizes.get(route, 0) + len(i.body)
+        out = [(i, JSON, [i]) for i in alone]
+        for chunks in routes.values():
+            for chunk in chunks:
+                if len(chunk) == 1:
+                    out.append((chunk[0], JSON, chunk))
+                    continue
+                first = chunk[0]
+                body = envelope.pack(
+                    [envelope.Item(i.message_id, i.headers, i.body) for i in chunk]
+                )
+                limits = [i.not_after for i in chunk if i.not_after is not None]
+                packed = Outgoing(
+                    first.message_id,
+                    first.exchange,
+                    first.routing_key,
+                    body,
+                    {},
+                    min(limits) if limits else None,
+                )
+                out.append((packed, envelope.CONTENT_TYPE, chunk))
+        return out
+
+    async def _one(
+        self, channel: aiormq.Channel, item: Outgoing, content_type: str = JSON
+    ) -> Outcome:
         # aiormq's own publish on the confirm channel that aio-pika keeps (and restores
         # after a reconnect), with the properties aio-pika's Message would send. Not
         # waiting for the socket drain (wait=False) lets the publishes of a window
         # leave in one write (amqp_writes); the window bounds what is in flight.
         properties = spec.Basic.Properties(
-            content_type="application/json",
+            content_type=content_type,
             delivery_mode=DeliveryMode.PERSISTENT.value,
             headers=dict(item.headers),
             message_id=item.message_id,

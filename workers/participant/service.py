@@ -1068,6 +1068,7 @@ async def serve(
             window=settings.confirm_window,
             timeout_s=settings.confirm_timeout_s,
             user_id=me.principal,
+            envelope_max=settings.envelope_max,
         ),
         batch_size=settings.batch_size,
         claim_ttl_s=settings.lease_ttl_s,
