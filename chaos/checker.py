@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import contextlib
 import json
 import sys
 import urllib.parse
@@ -37,7 +39,7 @@ from typing import Any, Final
 
 import psycopg
 
-from workers.core import amqp_url
+from workers.core import amqp_url, envelope
 from workers.io import broker
 
 # effect table → (participant, operation name)
@@ -413,15 +415,35 @@ def _legit_ids(eng: psycopg.Connection[Any], part: psycopg.Connection[Any]) -> s
     return ids
 
 
-def _check_dead_letters(f: Findings, management_url: str, vhost: str, legit: set[str]) -> None:
-    q = urllib.parse.quote
-    path = f"/api/queues/{q(vhost, safe='')}/{q(broker.QUEUE_DEAD, safe='')}/get"
-    body = {"count": 100000, "ackmode": "ack_requeue_true", "encoding": "auto", "truncate": 2000}
-    messages = asyncio.run(broker.management(management_url, "POST", path, body)) or []
-    reasons: Counter[str] = Counter()
+def _letters(messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str | None]]:
+    """Each dead letter with its message id; each item of an envelope is one."""
+    out: list[tuple[dict[str, Any], str | None]] = []
     for m in messages:
         props = m.get("properties") or {}
         mid = props.get("message_id")
+        if props.get("content_type") == envelope.CONTENT_TYPE:
+            payload = str(m.get("payload") or "")
+            raw = (
+                base64.b64decode(payload)
+                if m.get("payload_encoding") == "base64"
+                else payload.encode("utf-8", "surrogateescape")
+            )
+            with contextlib.suppress(envelope.Malformed):
+                out += [(m, item.message_id) for item in envelope.unpack(raw)]
+                continue
+        out.append((m, mid))
+    return out
+
+
+def _check_dead_letters(f: Findings, management_url: str, vhost: str, legit: set[str]) -> None:
+    q = urllib.parse.quote
+    path = f"/api/queues/{q(vhost, safe='')}/{q(broker.QUEUE_DEAD, safe='')}/get"
+    # whole payloads (an envelope is at most envelope.MAX_BYTES), base64 when binary
+    body = {"count": 100000, "ackmode": "ack_requeue_true", "encoding": "auto"}
+    messages = asyncio.run(broker.management(management_url, "POST", path, body)) or []
+    reasons: Counter[str] = Counter()
+    for m, mid in _letters(messages):
+        props = m.get("properties") or {}
         headers = props.get("headers") or {}
         reason = str(headers.get("x-custody-reason") or _death_reason(headers) or "?")
         reasons[reason] += 1
@@ -434,7 +456,11 @@ def _check_dead_letters(f: Findings, management_url: str, vhost: str, legit: set
                     "payload": str(m.get("payload"))[:300],
                 }
             )
-    f.stats["dead_letters"] = {"count": len(messages), "by_reason": dict(reasons)}
+    f.stats["dead_letters"] = {
+        "count": sum(reasons.values()),
+        "messages": len(messages),
+        "by_reason": dict(reasons),
+    }
     depths = asyncio.run(broker.queue_depths(management_url, vhost))
     f.stats["queue_depths"] = depths
 

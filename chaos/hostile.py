@@ -1,7 +1,8 @@
 """Hostile messages mixed into every queue, from the generators of the hostile-corpus
 and hostile-frames tests: malformed and oversized bodies, wrong schemas, forged and
-replayed receipts, commands with a wrong digest or owner, and frames whose AMQP
-properties the client library cannot parse (sent by the raw client)."""
+replayed receipts, commands with a wrong digest or owner, each alone and again in an
+envelope, envelopes that break their framing, and frames whose AMQP properties the
+client library cannot parse (sent by the raw client)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import psycopg
 from chaos import faults
 from tests import amqp_raw
 from tests.integration import test_hostile_corpus as corpus
+from workers.core import envelope
 from workers.io import broker
 
 BAD = b"\xff\xfe\xc3("
@@ -23,6 +25,8 @@ PER_FAULT = 12
 
 
 async def _publish(url: str, exchange: str, key: str, bodies: list[bytes], user: str | None) -> int:
+    """Each body alone, then all of them again in one envelope (each item refused or
+    quarantined alone), then one envelope that breaks its framing (isolated whole)."""
     conn = await faults.connect(url)
     async with conn:
         ch = await conn.channel(publisher_confirms=True)
@@ -33,7 +37,19 @@ async def _publish(url: str, exchange: str, key: str, bodies: list[bytes], user:
                 key,
                 mandatory=False,
             )
-    return len(bodies)
+        packed = envelope.pack([envelope.Item(str(uuid.uuid4()), {}, b) for b in bodies])
+        for body in (packed, packed[: len(packed) // 2]):
+            await ex.publish(
+                aio_pika.Message(
+                    body,
+                    message_id=str(uuid.uuid4()),
+                    user_id=user,
+                    content_type=envelope.CONTENT_TYPE,
+                ),
+                key,
+                mandatory=False,
+            )
+    return len(bodies) + 2
 
 
 async def _done_inventory_ops(engine_dsn: str) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ def _items(n: int) -> list[broker.Outgoing]:
             broker.EXCHANGE_COMMANDS,
             "inventory.v1",
             f'{{"n": {i}}}'.encode(),
-            {"traceparent": f"00-{i:032x}-{i:016x}-01", "x-n": i},
+            {"traceparent": f"00-{i:032x}-{i:016x}-01", "n": i},
         )
         for i in range(n)
     ]
@@ -77,6 +77,34 @@ async def test_messages_for_one_queue_leave_in_one_envelope_and_arrive_each_as_i
         await asyncio.sleep(0.2)
         assert amqp.connected
     assert await drain(env.settings, QUEUE, timeout=1.0) == []
+
+
+async def test_an_envelope_holds_one_tenant_s_messages(env: Env) -> None:
+    """Messages about two tenants for one queue leave in two envelopes: a poison one, or
+    an envelope a consumer keeps failing, never takes another tenant's work to the
+    dead letters. A message whose headers an envelope may not carry (an ``x-`` name)
+    leaves alone."""
+    items = [
+        broker.Outgoing(f"m-{i}", broker.EXCHANGE_COMMANDS, "inventory.v1", body, {})
+        for i, body in enumerate(
+            [b'{"tenant": "acme", "n": 0}', b'{"tenant": "globex", "n": 1}'] * 3
+        )
+    ]
+    items.append(
+        broker.Outgoing("m-x", broker.EXCHANGE_COMMANDS, "inventory.v1", b"{}", {"x-a": "b"})
+    )
+    await _publish(env, items)
+    assert await _depth(env, QUEUE) == 3
+    back = await drain(env.settings, QUEUE, timeout=1.0)
+    assert sorted(d.message_id or "" for d in back) == sorted(i.message_id for i in items)
+    by_envelope: dict[int, list[str]] = {}
+    for d in back:
+        by_envelope.setdefault(id(d._envelope), []).append(d.message_id or "")
+    assert sorted(sorted(ids) for ids in by_envelope.values()) == [
+        ["m-0", "m-2", "m-4"],  # acme's
+        ["m-1", "m-3", "m-5"],  # globex's
+        ["m-x"],  # alone
+    ]
 
 
 async def test_one_message_alone_and_envelope_max_1_send_plain_json_messages(env: Env) -> None:

@@ -51,6 +51,8 @@ def test_packable_headers_are_scalars_under_string_names() -> None:
     assert not envelope.packable({"a": b"bytes"})
     assert not envelope.packable({"a": {"nested": 1}})
     assert not envelope.packable({"a": [1]})
+    assert not envelope.packable({"x-death": "none"}), "the broker's and custody's own"
+    assert not envelope.packable({"X-Custody-Exchange": "custody.commands"})
 
 
 def _frame(meta: bytes, body: bytes) -> bytes:
@@ -76,6 +78,12 @@ GOOD_META = orjson.dumps({"message_id": "m", "headers": {}})
         (_frame(orjson.dumps({"message_id": "m", "headers": []}), b"{}"), "must be a string"),
         (_frame(orjson.dumps({"message_id": "m", "headers": {"h": [1]}}), b"{}"), "header value"),
         (_frame(GOOD_META, b"{}") * (envelope.MAX_ITEMS + 1), "more than"),
+        (_frame(orjson.dumps({"message_id": "m", "headers": {"x-death": "none"}}), b"{}"), "x-"),
+        (
+            _frame(orjson.dumps({"message_id": "m", "headers": {"X-Custody-Reason": 1}}), b"{}"),
+            "x-",
+        ),
+        (_frame(GOOD_META, b"0" * envelope.MAX_BYTES), "more than"),
     ],
 )
 def test_a_malformed_envelope_is_refused_whole_with_its_reason(raw: bytes, why: str) -> None:

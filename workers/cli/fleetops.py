@@ -125,8 +125,10 @@ def register(root: click.Group) -> None:
         (
             "replay",
             "publish to its original exchange and routing key (same message_id, body and "
-            "headers), then remove it from the queue; authorized (action replay) and "
-            "audited; exit 0 done, 3 refused, 4 not found, 1 not confirmed",
+            "headers), then remove it from the queue (an item of a dead-lettered envelope "
+            "leaves with its envelope, once every item of it was replayed in one call); "
+            "authorized (action replay) and audited; exit 0 done, 3 refused, 4 not found, "
+            "1 not confirmed",
             [click.argument("message_id", nargs=-1, required=True), audited_options],
             "text",
         ),

@@ -20,11 +20,15 @@ The body is the items one after another, each::
     meta          a JSON object: {"message_id": "...", "headers": {name: value}}
     body          the item's message, exactly the bytes it would carry alone
 
-A header value is a string, an integer, a float, a boolean or null. An envelope holds
-1 to :data:`MAX_ITEMS` items and nothing after the last; a body that breaks any of this
-is malformed, and a consumer isolates the whole message (reason ``malformed_envelope``,
-its raw body kept), never a part of it. Each item's own size is checked by its
-decoder against ``max_message_bytes``, like a message sent alone.
+A header value is a string, an integer, a float, a boolean or null, and no header name
+begins with ``x-``: those are the broker's and custody's own (``x-death``,
+``x-delivery-count``, ``x-custody-reason``, ...), which only the envelope itself
+carries, so an item cannot pose as a dead letter bound elsewhere. An envelope holds 1
+to :data:`MAX_ITEMS` items in at most :data:`MAX_BYTES` and nothing after the last; a
+body that breaks any of this is malformed, and a consumer isolates the whole message
+(reason ``malformed_envelope``, its raw body kept), never a part of it. Each item's
+own size is checked by its decoder against ``max_message_bytes``, like a message sent
+alone.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ MAX_ITEMS: Final = 256  # what a consumer accepts; senders use CUSTODY_ENVELOPE_
 MAX_META_BYTES: Final = 64 * 1024
 # a sender closes an envelope before its bodies pass this (a larger item goes alone)
 MAX_PACKED_BYTES: Final = 512 * 1024
+# what a consumer splits: a larger envelope is isolated whole, so that what one AMQP
+# message makes a consumer hold stays bounded (the items' bodies are copies)
+MAX_BYTES: Final = 1024 * 1024
+RESERVED_PREFIX: Final = "x-"
 _LENGTHS: Final = struct.Struct(">II")
 _SCALARS: Final = (str, int, float, bool, type(None))
 
@@ -61,7 +69,14 @@ class Malformed(ValueError):
 def packable(headers: Mapping[str, object]) -> bool:
     """Whether an item with these headers can travel in an envelope (else it is sent
     alone, with its headers as AMQP carries them)."""
-    return all(isinstance(k, str) and isinstance(v, _SCALARS) for k, v in headers.items())
+    return all(
+        isinstance(k, str) and not _reserved(k) and isinstance(v, _SCALARS)
+        for k, v in headers.items()
+    )
+
+
+def _reserved(name: str) -> bool:
+    return name[:2].lower() == RESERVED_PREFIX
 
 
 def pack(items: Sequence[Item]) -> bytes:
@@ -82,6 +97,8 @@ def unpack(body: bytes) -> list[Item]:
     items: list[Item] = []
     view = memoryview(body)
     at, end = 0, len(body)
+    if end > MAX_BYTES:
+        raise Malformed(f"{end} bytes, more than {MAX_BYTES}")
     while at < end:
         if len(items) == MAX_ITEMS:
             raise Malformed(f"more than {MAX_ITEMS} items")
@@ -111,4 +128,8 @@ def _item(n: int, meta_bytes: memoryview, body: bytes) -> Item:
         raise Malformed(f"item {n}: message_id must be a string, headers an object")
     if not all(isinstance(v, _SCALARS) for v in headers.values()):
         raise Malformed(f"item {n}: a header value is not a string, number, boolean or null")
+    if any(_reserved(k) for k in headers):
+        raise Malformed(
+            f"item {n}: a header name begins with {RESERVED_PREFIX!r} (the envelope's own)"
+        )
     return Item(message_id, headers, body)

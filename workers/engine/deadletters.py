@@ -27,7 +27,7 @@ MAX_BROWSE: Final = 10_000  # a deeper dead-letter queue is read by its first me
 
 @dataclass(frozen=True)
 class Listing:
-    depth: int  # the messages held (at most MAX_BROWSE)
+    depth: int  # the letters held: messages, each item of an envelope one (MAX_BROWSE messages)
     letters: list[deadletters.DeadLetter]
 
 

@@ -33,6 +33,7 @@ from typing import Any, Final, cast
 
 import aio_pika
 import aiormq
+import orjson
 from aio_pika.abc import (
     AbstractChannel,
     AbstractRobustConnection,
@@ -428,6 +429,37 @@ def _delivery(message: DeliveredMessage) -> Delivery:
     )
 
 
+# the envelope's headers each of its items carries (the broker's, custody's dead-letter
+# ones): a named few, so that a large header table is not copied once per item
+_ENVELOPE_HEADERS: Final = frozenset(
+    {
+        "x-death",
+        "x-delivery-count",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        "x-custody-reason",
+        "x-custody-worker",
+        "x-custody-routing-key",
+        "x-custody-exchange",
+    }
+)
+
+
+def _tenant(body: bytes) -> str | None:
+    """The tenant a message is about (custody's commands, receipts and start requests
+    name it at their top level), or None."""
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    tenant = decoded.get("tenant") if isinstance(decoded, dict) else None
+    return tenant if isinstance(tenant, str) else None
+
+
 def _deliveries(message: DeliveredMessage) -> list[Delivery]:
     """The deliveries of one AMQP message: itself, or each item of an envelope
     (``workers.core.envelope``). An envelope that cannot be split is one delivery,
@@ -443,14 +475,16 @@ def _deliveries(message: DeliveredMessage) -> list[Delivery]:
         d.undecodable_reason = MALFORMED_ENVELOPE
         return [d]
     shared = _Envelope(len(items))
+    said = {k: v for k, v in d.headers.items() if k in _ENVELOPE_HEADERS}
     return [
         Delivery(
             body=item.body,
             message_id=printable(item.message_id),
             user_id=d.user_id,
-            # the envelope's own headers beneath the item's: what the broker added to
-            # the envelope (a dead letter's x-death) is each item's too
-            headers={**d.headers, **item.headers} if d.headers else item.headers,
+            # what the broker and custody said of the envelope (a dead letter's
+            # x-death, its delivery count, its x-custody-* reason) is each item's too,
+            # and only the envelope says it: an item's names never begin with x-
+            headers={**item.headers, **said} if said else item.headers,
             redelivered=d.redelivered,
             routing_key=d.routing_key,
             _message=message,
@@ -944,14 +978,14 @@ class Publisher:
         return [outcome[id(i)] for i in items]
 
     def _envelopes(self, items: Sequence[Outgoing]) -> list[tuple[Outgoing, str, list[Outgoing]]]:
-        """The messages to publish for ``items``: those for one exchange and routing key
-        in envelopes of up to ``envelope_max`` items and ``envelope.MAX_PACKED_BYTES`` of
-        bodies, in their order; a dead letter, an item whose headers an envelope cannot
-        carry, a large one and one left alone as they are. Each with its content type
-        and the items it carries."""
+        """The messages to publish for ``items``: those for one exchange, routing key and
+        tenant in envelopes of up to ``envelope_max`` items and
+        ``envelope.MAX_PACKED_BYTES`` of bodies, in their order; a dead letter, an item
+        whose headers an envelope cannot carry, a large one and one left alone as they
+        are. Each with its content type and the items it carries."""
         alone: list[Outgoing] = []
-        routes: dict[tuple[str, str], list[list[Outgoing]]] = {}
-        sizes: dict[tuple[str, str], int] = {}
+        routes: dict[tuple[str, str, str | None], list[list[Outgoing]]] = {}
+        sizes: dict[tuple[str, str, str | None], int] = {}
         for i in items:
             if (
                 i.exchange == EXCHANGE_DEAD
@@ -960,7 +994,9 @@ class Publisher:
             ):
                 alone.append(i)
                 continue
-            route = (i.exchange, i.routing_key)
+            # one tenant's messages per envelope: a poison message, or an envelope a
+            # consumer keeps failing, takes no other tenant's work to the dead letters
+            route = (i.exchange, i.routing_key, _tenant(i.body))
             chunks = routes.setdefault(route, [[]])
             if (
                 len(chunks[-1]) == self._envelope_max
@@ -977,9 +1013,13 @@ class Publisher:
                     out.append((chunk[0], JSON, chunk))
                     continue
                 first = chunk[0]
-                body = envelope.pack(
-                    [envelope.Item(i.message_id, i.headers, i.body) for i in chunk]
-                )
+                try:
+                    body = envelope.pack(
+                        [envelope.Item(i.message_id, i.headers, i.body) for i in chunk]
+                    )
+                except ValueError:  # a message id or headers too large for one: alone
+                    out += [(i, JSON, [i]) for i in chunk]
+                    continue
                 limits = [i.not_after for i in chunk if i.not_after is not None]
                 packed = Outgoing(
                     first.message_id,

@@ -199,7 +199,9 @@ QUARANTINED: Final = _counter(
     "custody_quarantined_total", "Messages quarantined at the trust boundary", ["source", "reason"]
 )
 REDELIVERIES: Final = _counter(
-    "custody_redeliveries_total", "Deliveries the broker flagged as redelivered", ["worker"]
+    "custody_redeliveries_total",
+    "Deliveries the broker flagged as redelivered (each item of a redelivered envelope)",
+    ["worker"],
 )
 TRANSITIONS: Final = _counter(
     "custody_transitions_total", "Workflow transitions committed", ["kind"]
@@ -254,7 +256,8 @@ SUCCESSOR_PENDING: Final = _gauge(
 )
 UNDECODABLE: Final = _counter(
     "custody_undecodable_deliveries_total",
-    "Deliveries whose AMQP properties could not be decoded (isolated, never handled)",
+    "Deliveries whose AMQP properties could not be decoded, or envelopes that could not be "
+    "split (isolated, never handled)",
     ["worker"],
 )
 DISPATCH_PAUSED: Final = _gauge(
