@@ -38,6 +38,10 @@ DEATH_HEADERS: Final = frozenset(
     }
 )
 CUSTODY_PREFIX: Final = "x-custody-"
+# what the dead-lettering worker says of a dead letter (workers.runtime.consume)
+CUSTODY_HEADERS: Final = frozenset(
+    CUSTODY_PREFIX + k for k in ("reason", "worker", "routing-key", "exchange")
+)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from yarl import URL
 from contracts import codec
 from contracts.models import StartRequest
 from workers import errors
-from workers.core import amqp_url, backoff, commands, envelope
+from workers.core import amqp_url, backoff, commands, deadletters, envelope
 from workers.io import amqp_frames, amqp_marshal, amqp_writes, startup
 from workers.settings import Settings
 
@@ -431,22 +431,7 @@ def _delivery(message: DeliveredMessage) -> Delivery:
 
 # the envelope's headers each of its items carries (the broker's, custody's dead-letter
 # ones): a named few, so that a large header table is not copied once per item
-_ENVELOPE_HEADERS: Final = frozenset(
-    {
-        "x-death",
-        "x-delivery-count",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
-        "x-custody-reason",
-        "x-custody-worker",
-        "x-custody-routing-key",
-        "x-custody-exchange",
-    }
-)
+_ENVELOPE_HEADERS: Final = deadletters.DEATH_HEADERS | deadletters.CUSTODY_HEADERS
 
 
 def _tenant(body: bytes) -> str | None:
