@@ -918,7 +918,7 @@ class Publisher:
     """Confirmed publishing with a bounded window of unconfirmed messages.
 
     With ``envelope_max`` above 1, the messages of one :meth:`publish_many` call for the
-    same exchange and routing key leave in envelopes of up to that many
+    same exchange, routing key and tenant leave in envelopes of up to that many
     (``workers.core.envelope``; never a dead letter, nor a message alone), each item
     with the outcome of its envelope's confirm."""
 
