@@ -7,6 +7,7 @@ either split into exactly the items its sender packed, or refused whole with a r
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import orjson
 import pytest
@@ -109,3 +110,30 @@ def test_the_setting_s_limit_is_what_a_consumer_accepts() -> None:
 
 def test_malformed_envelope_is_a_quarantine_reason() -> None:
     assert "malformed_envelope" in REASONS
+
+
+def _group(items: Sequence[tuple[str | None, int]], max_items: int = 3) -> list[list[int]]:
+    """``envelope.group`` over (route, size) pairs, returning their positions."""
+    indexed = list(enumerate(items))
+    groups = envelope.group(indexed, lambda t: t[1][0], lambda t: t[1][1], max_items)
+    return [[i for i, _ in g] for g in groups]
+
+
+def test_group_keeps_a_route_s_order_and_never_mixes_routes() -> None:
+    """One tenant's messages per envelope: items of two routes interleaved make two
+    groups, each in its items' order, split at ``max_items``."""
+    items = [("a", 1), ("b", 1), ("a", 1), ("b", 1), ("a", 1), ("a", 1)]
+    assert _group(items) == [[0, 2, 4], [5], [1, 3]]
+
+
+def test_group_leaves_alone_what_has_no_route_or_is_large() -> None:
+    half = envelope.MAX_PACKED_BYTES // 2
+    items = [("a", 1), (None, 1), ("a", half + 1), ("a", 1)]
+    assert _group(items) == [[1], [2], [0, 3]]
+
+
+def test_group_closes_an_envelope_before_its_bodies_pass_the_limit() -> None:
+    half = envelope.MAX_PACKED_BYTES // 2
+    items = [("a", half), ("a", half), ("a", 1), ("a", 1)]
+    assert _group(items, max_items=10) == [[0, 1], [2, 3]]
+    assert sum(items[i][1] for i in [0, 1]) == envelope.MAX_PACKED_BYTES

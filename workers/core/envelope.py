@@ -34,9 +34,9 @@ alone.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import orjson
 
@@ -53,6 +53,7 @@ _LENGTHS: Final = struct.Struct(">II")
 _SCALARS: Final = (str, int, float, bool, type(None))
 
 HeaderValue = str | int | float | bool | None
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,33 @@ def packable(headers: Mapping[str, object]) -> bool:
 
 def _reserved(name: str) -> bool:
     return name[:2].lower() == RESERVED_PREFIX
+
+
+def group(
+    items: Sequence[T],
+    route: Callable[[T], Hashable | None],
+    size: Callable[[T], int],
+    max_items: int,
+) -> list[list[T]]:
+    """The envelopes ``items`` travel in, in their order: those of one ``route`` (a
+    sender's exchange, routing key and tenant) in groups of up to ``max_items`` whose
+    sizes add up to at most :data:`MAX_PACKED_BYTES`; an item whose route is None, or
+    larger than half of that, alone. A group of one is sent as a plain message."""
+    alone: list[list[T]] = []
+    routes: dict[Hashable, list[list[T]]] = {}
+    filled: dict[Hashable, int] = {}  # the bytes of each route's last group
+    for item in items:
+        key, n = route(item), size(item)
+        if key is None or n > MAX_PACKED_BYTES // 2:
+            alone.append([item])
+            continue
+        groups = routes.setdefault(key, [[]])
+        if len(groups[-1]) == max_items or filled.get(key, 0) + n > MAX_PACKED_BYTES:
+            groups.append([])
+            filled[key] = 0
+        groups[-1].append(item)
+        filled[key] = filled.get(key, 0) + n
+    return alone + [g for groups in routes.values() for g in groups]
 
 
 def pack(items: Sequence[Item]) -> bytes:

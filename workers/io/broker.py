@@ -968,53 +968,37 @@ class Publisher:
         ``envelope.MAX_PACKED_BYTES`` of bodies, in their order; a dead letter, an item
         whose headers an envelope cannot carry, a large one and one left alone as they
         are. Each with its content type and the items it carries."""
-        alone: list[Outgoing] = []
-        routes: dict[tuple[str, str, str | None], list[list[Outgoing]]] = {}
-        sizes: dict[tuple[str, str, str | None], int] = {}
-        for i in items:
-            if (
-                i.exchange == EXCHANGE_DEAD
-                or len(i.body) > envelope.MAX_PACKED_BYTES // 2
-                or not envelope.packable(i.headers)
-            ):
-                alone.append(i)
-                continue
+
+        def route(i: Outgoing) -> tuple[str, str, str | None] | None:
+            if i.exchange == EXCHANGE_DEAD or not envelope.packable(i.headers):
+                return None
             # one tenant's messages per envelope: a poison message, or an envelope a
             # consumer keeps failing, takes no other tenant's work to the dead letters
-            route = (i.exchange, i.routing_key, _tenant(i.body))
-            chunks = routes.setdefault(route, [[]])
-            if (
-                len(chunks[-1]) == self._envelope_max
-                or sizes.get(route, 0) + len(i.body) > envelope.MAX_PACKED_BYTES
-            ):
-                chunks.append([])
-                sizes[route] = 0
-            chunks[-1].append(i)
-            sizes[route] = sizes.get(route, 0) + len(i.body)
-        out = [(i, JSON, [i]) for i in alone]
-        for chunks in routes.values():
-            for chunk in chunks:
-                if len(chunk) == 1:
-                    out.append((chunk[0], JSON, chunk))
-                    continue
-                first = chunk[0]
-                try:
-                    body = envelope.pack(
-                        [envelope.Item(i.message_id, i.headers, i.body) for i in chunk]
-                    )
-                except ValueError:  # a message id or headers too large for one: alone
-                    out += [(i, JSON, [i]) for i in chunk]
-                    continue
-                limits = [i.not_after for i in chunk if i.not_after is not None]
-                packed = Outgoing(
-                    first.message_id,
-                    first.exchange,
-                    first.routing_key,
-                    body,
-                    {},
-                    min(limits) if limits else None,
+            return (i.exchange, i.routing_key, _tenant(i.body))
+
+        out: list[tuple[Outgoing, str, list[Outgoing]]] = []
+        for chunk in envelope.group(items, route, lambda i: len(i.body), self._envelope_max):
+            if len(chunk) == 1:
+                out.append((chunk[0], JSON, chunk))
+                continue
+            first = chunk[0]
+            try:
+                body = envelope.pack(
+                    [envelope.Item(i.message_id, i.headers, i.body) for i in chunk]
                 )
-                out.append((packed, envelope.CONTENT_TYPE, chunk))
+            except ValueError:  # a message id or headers too large for one: alone
+                out += [(i, JSON, [i]) for i in chunk]
+                continue
+            limits = [i.not_after for i in chunk if i.not_after is not None]
+            packed = Outgoing(
+                first.message_id,
+                first.exchange,
+                first.routing_key,
+                body,
+                {},
+                min(limits) if limits else None,
+            )
+            out.append((packed, envelope.CONTENT_TYPE, chunk))
         return out
 
     async def _one(
