@@ -41,6 +41,7 @@ from tests.harness import (
     running,
 )
 from workers.io import broker
+from workers.runtime import outbox, supervisor
 from workers.runtime.outbox import OutboxPublisher
 
 QUEUE = broker.command_queue("inventory.v1")  # the first node's (reserve) route
@@ -255,3 +256,103 @@ async def test_a_publish_whose_claim_got_too_old_waiting_for_the_window_is_not_s
         (due, True, ""),
     ]
     assert [d.message_id for d in await drain(env.settings, QUEUE)] == [due]
+
+
+async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_after_its_confirm(
+    env: Env,
+) -> None:
+    """Issue 14's light load ("two broker hops, not a poll interval"): a commit's submit
+    handed to its sender while the sender waits for work is published from the
+    committing task's own turn of the event loop, ahead of that unit's acks and of the
+    sender's wake-up; the sender's next cycle marks it, only after its confirm ("Broker
+    confirmation"). Handed to a sender whose loop is not waiting, nothing leaves before
+    a cycle runs. A sender that stops gives the claims of what it sent but never marked
+    back: sent again later under the same message ids, deduplicated by every consumer."""
+    holder = "committer-test"
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for i in ids:
+        await env.sql(
+            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, claimed_by,"
+            " claim_expires_at, publish_attempts)"
+            " VALUES (%s, 'query', %s, 'inventory.v1', '{}', %s,"
+            " clock_timestamp() + interval '1 minute', 1)",
+            (i, broker.EXCHANGE_COMMANDS, holder),
+        )
+    rows = [
+        {
+            "id": i,
+            "exchange": broker.EXCHANGE_COMMANDS,
+            "routing_key": "inventory.v1",
+            "body": b"{}",
+            "headers": {},
+            "publish_attempts": 1,
+        }
+        for i in ids
+    ]
+    idle, waiting, stopped = rows
+
+    async def status(i: str) -> tuple[object, ...]:
+        [row] = await env.sql("SELECT status, claimed_by FROM custody.outbox WHERE id = %s", (i,))
+        return row
+
+    recorder = _Recorder()
+    # the publisher's role: these are query rows, which a committer's role never holds
+    async with role_database(env.settings.database_url, "custody_publisher") as database:
+        sender = OutboxPublisher(
+            owner="engine",
+            database=database,
+            lease=None,
+            publisher=cast(broker.Publisher, recorder),
+            batch_size=10,
+            claim_ttl_s=60,
+            engine=True,
+            worker="committer",
+        )
+        sender.holder = holder
+        # no loop waits: it leaves with the next cycle, not before
+        sender.hand([idle])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert recorder.sent == []
+        assert await sender.run_once(claim=False) == 1
+        assert recorder.sent == [idle["id"]]
+        assert await status(idle["id"]) == ("published", None)
+
+        stop = supervisor.Stop(grace_s=1)
+        waker = supervisor.Waker(poll_s=30)
+
+        async def nothing() -> None:
+            return None
+
+        loop = asyncio.create_task(outbox.loop(sender, stop, waker, nothing, "committer"))
+        try:
+            await wait_until(
+                lambda: _true(sender._looping), timeout=5, what="the sender waiting for work"
+            )
+            sender.hand([waiting])
+            await asyncio.sleep(0)  # one turn: the sender's own wake-up takes several
+            assert recorder.sent == [idle["id"], waiting["id"]]
+            await wait_until(lambda: _is_published(env, waiting["id"]), timeout=5, what="its mark")
+            assert await status(waiting["id"]) == ("published", None)
+            await wait_until(
+                lambda: _true(sender._looping), timeout=5, what="the sender waiting again"
+            )
+            stop.event.set()
+            sender.hand([stopped])  # sent at once, never marked: the loop ends
+            waker.kick()
+            await loop
+        finally:
+            stop.event.set()
+            waker.kick()
+            await asyncio.wait_for(loop, 5)
+        await sender.release_handed()
+    assert recorder.sent == [idle["id"], waiting["id"], stopped["id"]]
+    assert await status(stopped["id"]) == ("pending", None)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _is_published(env: Env, i: str) -> bool:
+    return await env.scalar("SELECT status FROM custody.outbox WHERE id = %s", (i,)) == "published"

@@ -16,6 +16,7 @@ handler learnt of it in ``Delivery.ids``, its outcome and the unit's duration).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -79,6 +80,9 @@ async def run(
                             on_fenced=on_fenced,
                             dead=dead,
                         )
+                        # one turn of the loop first: the publishes its commit started
+                        # (OutboxPublisher.hand) leave ahead of its acks
+                        await asyncio.sleep(0)
                         await broker.ack_all(batch)  # a dead-lettered one is settled already
                     after_commit()
             return

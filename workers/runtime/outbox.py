@@ -13,7 +13,8 @@ and a participant's.
 A participant's receipts and the committer's submits skip the claim: the commit queues
 them already claimed by a publisher of the same process (``p_outbox_insert``,
 ``activation_insert``) and hands them over after the commit
-(:meth:`OutboxPublisher.hand`), so they leave without a claim transaction or a wake-up.
+(:meth:`OutboxPublisher.hand`), so they leave without a claim transaction or a wake-up;
+handed to a sender that waits for work, they leave at once, from the committing task.
 Marked the same way; a process that dies first leaves them claimed until the claim
 expires (then the publisher worker claims them), and a stopping one gives the claims
 back.
@@ -79,6 +80,11 @@ class OutboxPublisher:
         # transaction, each stamped with the moment it was handed over: see hand()
         self.handed: list[dict[str, Any]] = []
         self.ready = asyncio.Event()
+        # rows handed over to an idle sender, whose publishes left at once (hand()),
+        # for the sender's next cycle to settle and mark; and whether that is allowed:
+        # only while its loop waits for work (``loop``)
+        self._early: tuple[list[dict[str, Any]], _Sending] | None = None
+        self._looping = False
 
     def hand(self, rows: Sequence[dict[str, Any]]) -> None:
         """Rows committed by this process, already claimed by ``self.holder``, to send
@@ -87,10 +93,19 @@ class OutboxPublisher:
         claim's life has passed (the broker stalled, the process was paused) is not
         sent from here any more (:meth:`_drop_stale`). Each is sent as a claim would have
         returned it: on its first attempt."""
-        if rows:
-            now = time.monotonic()
-            self.handed.extend({**r, "publish_attempts": 1, "handed_at": now} for r in rows)
-            self.ready.set()
+        if not rows:
+            return
+        now = time.monotonic()
+        fresh = [{**r, "publish_attempts": 1, "handed_at": now} for r in rows]
+        idle = self._looping and not self.handed and self._early is None
+        self.handed.extend(fresh)
+        if idle and len(fresh) <= self.batch_size:
+            # the sender waits for work: their publishes leave now, from the committing
+            # task's turn of the event loop, not after the sender's wake-up (and the
+            # acks of the unit that committed them); its next cycle settles and marks
+            # them as it would have sent them (run_once)
+            self._early = (fresh, self._send(fresh))
+        self.ready.set()
 
     def _drop_stale(self) -> None:
         """Leave the rows handed over more than half a claim's life ago to the claim of
@@ -116,6 +131,15 @@ class OutboxPublisher:
         a publisher claims them at its next poll (or the next start sends them), not
         after the claim expiry.
         Bounded; the claim's expiry covers a database that cannot be reached."""
+        if self._early is not None:
+            # publishes that left but were never settled by a cycle: let them settle
+            # (bounded by the confirm timeout); unmarked, they are sent again under the
+            # same message ids after the claims given back here, deduplicated by every
+            # consumer
+            _, sending = self._early
+            self._early = None
+            with contextlib.suppress(BaseException):
+                await sending.outcomes
         if not self.handed:
             return
         ids = [str(r["id"]) for r in self.handed]
@@ -216,10 +240,16 @@ class OutboxPublisher:
         epoch = self.lease.epoch if self.lease else None
         # handed rows leave the list once marked (sent, or released for a retry): a
         # unit redone after a failure sends them again, under the same message ids
-        self._drop_stale()
-        rows = self.handed[: self.batch_size]
-        handed = bool(rows)
         sending: _Sending | None = None
+        if self._early is not None:
+            # handed to an idle sender and sent at once (hand): the first rows of the
+            # list, fresh (handed since the last cycle), settled and marked here
+            rows, sending = self._early
+            self._early = None
+        else:
+            self._drop_stale()
+            rows = self.handed[: self.batch_size]
+        handed = bool(rows)
         if not rows and claim:
             rows, sending = await self._claim_and_send()
         if not rows:
@@ -356,4 +386,9 @@ async def loop(
         if pub.handed:
             claim = False  # handed over while this batch was out: those first
         elif not (claim and n >= pub.batch_size):
-            claim = await waker.wait(also=pub.ready) and claims
+            # rows handed over from here on leave at once (hand), while it waits
+            pub._looping = True
+            try:
+                claim = await waker.wait(also=pub.ready) and claims
+            finally:
+                pub._looping = False
