@@ -204,14 +204,30 @@ UPDATE successor_intents SET status = 'done', done_at = now()
 -- name: instance_finish
 -- planned per execution: a batch's rows of a growing table by their keys
 -- A batch's ends in one statement, each only from running; returns the instances ended
--- (the batch LIMITed to its length, as in operation_apply).
+-- (the batch LIMITed to its length, as in operation_apply). An end given its `history`
+-- row writes it here, in the batch's order, only if it did end the instance: a unit
+-- that writes nothing after its ends need not wait for which ones they were.
 -- The status as text: the instances by their key, never every running one through
 -- instances_status (see instance_suspend_for).
-UPDATE instances i SET status = r.status, finished_at = now(), updated_at = now()
-  FROM (SELECT * FROM jsonb_to_recordset(%(rows)s) AS r(id uuid, status custody.instance_status)
-         LIMIT jsonb_array_length(%(rows)s)) r
- WHERE i.id = r.id AND i.status::text = 'running'
-RETURNING i.id;
+WITH r AS (
+  SELECT * FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
+                           AS (id uuid, status custody.instance_status, history jsonb))
+                WITH ORDINALITY AS r(id, status, history, n)
+   LIMIT jsonb_array_length(%(rows)s)
+), ended AS (
+  UPDATE instances i SET status = r.status, finished_at = now(), updated_at = now()
+    FROM r
+   WHERE i.id = r.id AND i.status::text = 'running'
+  RETURNING i.id
+), logged AS (
+  INSERT INTO history (instance_id, operation_id, event, detail, actor)
+  SELECT r.id, (r.history->>'operation_id')::uuid, r.history->>'event',
+         coalesce(r.history->'detail', '{}'), r.history->>'actor'
+    FROM r JOIN ended ON ended.id = r.id
+   WHERE r.history IS NOT NULL
+   ORDER BY r.n
+)
+SELECT id FROM ended;
 
 -- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
 

@@ -1,5 +1,5 @@
-"""The committer's successor transition, as a unit: the round trips and statements a batch
-costs, and the wake-ups it sends.
+"""The committer's transitions, as units: the round trips and statements a batch of
+successors, or a run of starts, costs, and the wake-ups it sends.
 
 At light load each round trip a unit waits for is a wake-up of the worker and of its
 Postgres backend (the bench's light-load legs), so an instance's three operations pay
@@ -12,12 +12,15 @@ locks were taken.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import LiteralString
 
 import psycopg
 import pytest
 
+from contracts import codec
+from contracts.models import StartRequest
 from tests.conftest import Env, wait_until
 from tests.harness import (
     InProcessFleet,
@@ -28,9 +31,9 @@ from tests.harness import (
     publish_starts,
     role_database,
 )
-from workers.core import process
-from workers.engine import committer
-from workers.io import db
+from workers.core import lifecycle, process, records
+from workers.engine import activate, committer
+from workers.io import broker, db
 
 ORDERS = 5
 
@@ -158,3 +161,100 @@ async def test_a_batch_with_no_new_work_wakes_no_publisher(
     )
     assert suppressed == ORDERS
     assert await env.scalar("SELECT count(*) FROM custody.operations WHERE node = 'charge'") == 0
+
+
+def _start_deliveries(n: int) -> list[tuple[broker.Delivery, StartRequest]]:
+    """``n`` start requests as the committer's consumer hands them over."""
+    starts = []
+    for i in range(n):
+        request = StartRequest(
+            tenant="acme",
+            start_request_id=str(uuid.uuid4()),
+            process="order-fulfilment",
+            input=order(i),
+            requested_by="test",
+        )
+        delivery = broker.Delivery(
+            body=codec.encode(request),
+            message_id=request.start_request_id,
+            user_id="test",
+            headers={},
+            redelivered=False,
+            routing_key="",
+            _message=None,  # type: ignore[arg-type]  # never acked here
+        )
+        starts.append((delivery, request))
+    return starts
+
+
+async def test_a_run_of_start_requests_commits_in_three_round_trips(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Workflow transition" at a start: a run of start requests is serialised with
+    their cancellations (the advisory locks), judged by their tombstones and by the
+    instances that exist already, and the instances with their first operations
+    committed, in three round trips: the locks with both reads (sent together, run in
+    that order, so both reads still see what the locks serialise), the instances'
+    insert (whose answer says which are new), and the writes with the COMMIT. The locks
+    and each read cost one of their own (five in all); at light load each is on the
+    first operation's way, and on its instance's. A start already tombstoned is still
+    refused, and a start already made is still a duplicate."""
+    async with _committer(env) as c:
+        first = _start_deliveries(1)
+        await c.commit_starts(first, [])  # made before: a duplicate below
+        tombstoned = _start_deliveries(1)
+        await env.sql(
+            "INSERT INTO custody.start_tombstones (tenant, start_request_id, actor, reason)"
+            " VALUES ('acme', %s, 'test', 'test')",
+            (tombstoned[0][1].start_request_id,),
+        )
+        fresh = _start_deliveries(ORDERS)
+        trips = RoundTrips(monkeypatch)
+        await c.commit_starts([*first, *tombstoned, *fresh], [])
+        assert trips.n == 3, f"{trips.n} round trips"
+    assert first[0][0].ids["outcome"] == "duplicate"
+    assert tombstoned[0][0].ids["outcome"] == "cancelled_before_start"
+    assert {d.ids["outcome"] for d, _ in fresh} == {"started"}
+    assert await env.scalar("SELECT count(*) FROM custody.instances") == 1 + ORDERS
+    assert await env.scalar("SELECT count(*) FROM custody.operations") == 1 + ORDERS
+
+
+async def test_an_end_a_receipt_makes_writes_its_history_without_a_round_trip_of_its_own(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Workflow receipt application" at an instance's last receipt: the end (only from
+    running) and its history commit together with the receipt, and the unit waits for
+    nothing in between: its history is written by the end's own statement, only for an
+    instance it did end, so the unit costs its COMMIT's flight alone, where waiting for
+    which instances ended cost one more on the instance's way. An instance that is no
+    longer running is not ended and gets no history."""
+    async with _committer(env) as c:
+        starts = _start_deliveries(2)
+        await c.commit_starts(starts, [])
+    running_id, gone_id = (d.ids["instance_id"] for d, _ in starts)
+    await env.sql("UPDATE custody.instances SET status = 'cancelling' WHERE id = %s", (gone_id,))
+    ends = [
+        activate.Finish(
+            iid,
+            lifecycle.InstanceStatus.COMPLETED,
+            records.History(iid, "instance.completed", "receipts", {"test": True}),
+        )
+        for iid in (running_id, gone_id)
+    ]
+    async with role_database(env.settings.database_url, "custody_receipts") as database:
+        trips = RoundTrips(monkeypatch)
+        async with database.transaction() as tx:
+            assert await activate.finish(tx, ends, logged=True) == []
+        assert trips.n == 1, f"{trips.n} round trips"
+    rows = await env.sql(
+        "SELECT i.id::text, i.status::text, i.finished_at IS NOT NULL, h.actor, h.detail"
+        "  FROM custody.instances i LEFT JOIN custody.history h"
+        "    ON h.instance_id = i.id AND h.event = 'instance.completed'"
+        " ORDER BY i.status"
+    )
+    assert sorted(rows) == sorted(
+        [
+            (running_id, "completed", True, "receipts", {"test": True}),
+            (gone_id, "cancelling", False, None, None),
+        ]
+    ), rows

@@ -137,14 +137,35 @@ class Activator:
         return pinned
 
 
-async def finish(tx: db.Tx, finishes: Sequence[Finish]) -> list[records.History]:
+async def finish(
+    tx: db.Tx, finishes: Sequence[Finish], *, logged: bool = False
+) -> list[records.History]:
     """The batch's ends in one guarded UPDATE (WHERE status = 'running'); returns the
-    history of each end it did make."""
+    history of each end it did make, for the caller to write in its order. ``logged``:
+    the statement writes that history itself, right after the unit's writes before it,
+    and the unit does not wait for its answer (returns none)."""
     if not finishes:
+        return []
+    if logged:
+        rows = [
+            {"id": f.instance_id, "status": f.status.value, "history": _plain(f.history)}
+            for f in finishes
+        ]
+        await tx.send_many("instance_finish", rows)
         return []
     rows = [{"id": f.instance_id, "status": f.status.value} for f in finishes]
     ended = {r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})}
     return [f.history for f in finishes if f.instance_id in ended]
+
+
+def _plain(h: records.History) -> dict[str, Any]:
+    """A history row as a JSON object (``instance_finish``'s ``history``)."""
+    return {
+        "operation_id": None if h.operation_id is None else str(h.operation_id),
+        "event": h.event,
+        "detail": dict(h.detail),
+        "actor": h.actor,
+    }
 
 
 async def write_plans(

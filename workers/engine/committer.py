@@ -116,11 +116,17 @@ class Committer:
                 "tenant": [s.tenant for _, s in valid],
                 "start_request_id": [s.start_request_id for _, s in valid],
             }
-            await tx.rows("start_locks", keys)
-            tombstoned = {
-                (r["tenant"], r["start_request_id"])
-                for r in await tx.rows("start_tombstones_for", keys)
+            # the locks, then what the starts are judged by under them: sent together
+            # (run in this order, answered in one round trip); the instances of every
+            # start, tombstoned or not, which the tombstones' answer need not wait for
+            await tx.send("start_locks", keys)
+            tombstones = await tx.ask("start_tombstones_for", keys)
+            ids_of = {
+                (s.tenant, s.start_request_id): identity.instance_id(s.tenant, s.start_request_id)
+                for _, s in valid
             }
+            instances_of = await tx.ask("instances_get", {"ids": list(ids_of.values())})
+            tombstoned = {(r["tenant"], r["start_request_id"]) for r in await tombstones.rows()}
             late = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) in tombstoned]
             for d, s in late:
                 await tx.send(
@@ -138,8 +144,8 @@ class Committer:
             if valid:
                 await faults.point("starts_locked")
             valid = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) not in tombstoned]
-            ids = [identity.instance_id(s.tenant, s.start_request_id) for _, s in valid]
-            existing = {r["id"]: r for r in await tx.rows("instances_get", {"ids": ids})}
+            ids = [ids_of[(s.tenant, s.start_request_id)] for _, s in valid]
+            existing = {r["id"]: r for r in await instances_of.rows()}
             instances: list[dict[str, Any]] = []
             plans: list[activation.Plan] = []
             seen: set[str] = set()

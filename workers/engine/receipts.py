@@ -178,8 +178,10 @@ class ReceiptConsumer:
                     verdict_of[i] = self._one(d, message, views, rows, issued, (seen, revisions), w)
             step = await self._activate(reads, rows, w) if reads is not None else Step()
             await write(tx, w)
-            history = await activate.finish(tx, step.finishes)
-            queued = await activate.write_plans(tx, step.plans, after=history, sender=self.sender)
+            # the ends with their history in one statement, not waited for: nothing of
+            # this unit's is written after them but its new nodes, other instances'
+            await activate.finish(tx, step.finishes, logged=True)
+            queued = await activate.write_plans(tx, step.plans, sender=self.sender)
             if span.recording:
                 span.set(
                     operation_id=op_ids,
