@@ -266,8 +266,9 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
     committing task's own turn of the event loop, ahead of that unit's acks and of the
     sender's wake-up; the sender's next cycle marks it, only after its confirm ("Broker
     confirmation"). Handed to a sender whose loop is not waiting, nothing leaves before
-    a cycle runs. A sender that stops gives the claims of what it sent but never marked
-    back: sent again later under the same message ids, deduplicated by every consumer."""
+    a cycle runs. A sender asked to stop while such a publish is out ends its loop only
+    once it is settled and marked: it is not sent a second time after its claim is
+    given back."""
     holder = "committer-test"
     ids = [str(uuid.uuid4()) for _ in range(3)]
     for i in ids:
@@ -338,7 +339,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
                 lambda: _true(sender._looping), timeout=5, what="the sender waiting again"
             )
             stop.event.set()
-            sender.hand([stopped])  # sent at once, never marked: the loop ends
+            sender.hand([stopped])  # sent at once, while the stop is under way
             waker.kick()
             await loop
         finally:
@@ -347,7 +348,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
             await asyncio.wait_for(loop, 5)
         await sender.release_handed()
     assert recorder.sent == [idle["id"], waiting["id"], stopped["id"]]
-    assert await status(stopped["id"]) == ("pending", None)
+    assert await status(stopped["id"]) == ("published", None)
 
 
 async def _true(value: bool) -> bool:

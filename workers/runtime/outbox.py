@@ -132,10 +132,10 @@ class OutboxPublisher:
         after the claim expiry.
         Bounded; the claim's expiry covers a database that cannot be reached."""
         if self._early is not None:
-            # publishes that left but were never settled by a cycle: let them settle
-            # (bounded by the confirm timeout); unmarked, they are sent again under the
-            # same message ids after the claims given back here, deduplicated by every
-            # consumer
+            # publishes that left but were never settled by a cycle (its loop ended
+            # otherwise than by a stop): let them settle (bounded by the confirm
+            # timeout); unmarked, they are sent again under the same message ids after
+            # the claims given back here, deduplicated by every consumer
             _, sending = self._early
             self._early = None
             with contextlib.suppress(BaseException):
@@ -372,7 +372,9 @@ async def loop(
     outbox's gauges (the committer's sender: the publisher worker claims and samples)."""
     last_sample = 0.0
     claim = claims
-    while not stop.requested:
+    # a stop that came while publishes handed over were leaving (hand) ends the loop
+    # once they are settled and marked, not sent again after their claims are given back
+    while not stop.requested or pub._early is not None:
         n = await supervisor.redo(
             functools.partial(pub.run_once, claim=claim),
             worker=worker,
@@ -385,6 +387,8 @@ async def loop(
             last_sample = time.monotonic()
         if pub.handed:
             claim = False  # handed over while this batch was out: those first
+        elif stop.requested:
+            continue  # ends here, with nothing of its own left out
         elif not (claim and n >= pub.batch_size):
             # rows handed over from here on leave at once (hand), while it waits
             pub._looping = True
