@@ -22,7 +22,13 @@ between a receipt and the next command any more. What must not move:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pytest
 
 from tests.conftest import Env, wait_until
 from tests.harness import (
@@ -34,6 +40,7 @@ from tests.harness import (
     publish_starts,
     running,
 )
+from workers.engine import receipts
 from workers.io import broker
 
 
@@ -226,3 +233,77 @@ async def test_a_failed_activation_never_costs_the_receipt_its_application(env: 
             await _committer_completes_it(env, fleet)
     finally:
         await env.sql("GRANT INSERT ON custody.outbox TO custody_receipts")
+
+
+async def test_each_receipt_unit_costs_two_round_trips_whether_it_activates_or_ends(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14's light load ("a few fsync'd commits and two broker hops"): a receipt
+    consumer's unit waits for Postgres twice, its reads (the operations locked, what the
+    receipts are judged by, the instances and what their successors are planned from)
+    and its COMMIT's flight, whether it activates a successor or ends the instance (an
+    end's history is written by the end's own statement, where waiting for which
+    instances it ended cost a third). "Workflow receipt application | A validated result
+    and successor intent commit once": each instance still completes through it."""
+    unit: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("unit", default=None)
+    costs: list[int] = []
+    apply = receipts.ReceiptConsumer.apply
+
+    async def counted(
+        self: receipts.ReceiptConsumer, deliveries: Sequence[broker.Delivery]
+    ) -> list[str]:
+        trips = [0]
+        token = unit.set(trips)
+        try:
+            return await apply(self, deliveries)
+        finally:
+            unit.reset(token)
+            costs.append(trips[0])
+
+    def count() -> None:
+        trips = unit.get()
+        if trips is not None:
+            trips[0] += 1
+
+    sync = psycopg.AsyncPipeline.sync
+    exit_ = psycopg.AsyncPipeline.__aexit__
+    fetch = psycopg.AsyncCursor._fetch_pipeline
+
+    async def counted_sync(pipeline: psycopg.AsyncPipeline) -> None:
+        count()
+        await sync(pipeline)
+
+    async def counted_exit(pipeline: psycopg.AsyncPipeline, *exc: Any) -> None:
+        count()
+        await exit_(pipeline, *exc)
+
+    async def counted_fetch(cursor: psycopg.AsyncCursor[Any]) -> None:
+        if cursor.pgresult is None and cursor.connection._pipeline is not None:
+            count()
+        await fetch(cursor)
+
+    monkeypatch.setattr(receipts.ReceiptConsumer, "apply", counted)
+    monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)
+    monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", counted_exit)
+    monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)
+    async with running(env) as fleet:
+        committer = fleet.start("committer")
+        for p in PARTICIPANTS:
+            fleet.start(p)
+        await publish_starts(env.settings, [order(i) for i in range(3)])
+        await _until(env, "SELECT count(*) FROM custody.operations", 3, "3 first operations")
+        await fleet.stop(committer)
+        fleet.start("receipts")
+        await _until(
+            env,
+            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+            3,
+            "3 instances completed without a committer",
+            timeout=30,
+        )
+        fleet.check_alive()
+    assert costs and set(costs) == {2}, costs
+    ended = await env.sql(
+        "SELECT DISTINCT actor FROM custody.history WHERE event = 'instance.completed'"
+    )
+    assert ended == [("receipts",)]
