@@ -291,6 +291,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
         for i in ids
     ]
     idle, waiting, stopped = rows
+    idle_id, waiting_id, stopped_id = ids
 
     async def status(i: str) -> tuple[object, ...]:
         [row] = await env.sql("SELECT status, claimed_by FROM custody.outbox WHERE id = %s", (i,))
@@ -316,8 +317,8 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
             await asyncio.sleep(0)
         assert recorder.sent == []
         assert await sender.run_once(claim=False) == 1
-        assert recorder.sent == [idle["id"]]
-        assert await status(idle["id"]) == ("published", None)
+        assert recorder.sent == [idle_id]
+        assert await status(idle_id) == ("published", None)
 
         stop = supervisor.Stop(grace_s=1)
         waker = supervisor.Waker(poll_s=30)
@@ -332,9 +333,9 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
             )
             sender.hand([waiting])
             await asyncio.sleep(0)  # one turn: the sender's own wake-up takes several
-            assert recorder.sent == [idle["id"], waiting["id"]]
-            await wait_until(lambda: _is_published(env, waiting["id"]), timeout=5, what="its mark")
-            assert await status(waiting["id"]) == ("published", None)
+            assert recorder.sent == [idle_id, waiting_id]
+            await wait_until(lambda: _is_published(env, waiting_id), timeout=5, what="its mark")
+            assert await status(waiting_id) == ("published", None)
             await wait_until(
                 lambda: _true(sender._looping), timeout=5, what="the sender waiting again"
             )
@@ -347,8 +348,8 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
             waker.kick()
             await asyncio.wait_for(loop, 5)
         await sender.release_handed()
-    assert recorder.sent == [idle["id"], waiting["id"], stopped["id"]]
-    assert await status(stopped["id"]) == ("published", None)
+    assert recorder.sent == [idle_id, waiting_id, stopped_id]
+    assert await status(stopped_id) == ("published", None)
 
 
 async def _true(value: bool) -> bool:
