@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,26 +257,31 @@ class RoundTrips:
     waiting for what it sent), the fetches that had to wait for a statement's answer,
     and the flight that closes the pipeline (with the COMMIT, or the ROLLBACK of a unit
     that failed inside it). Statements outside a pipeline are not counted. A test that
-    pins how many a unit costs fails when a change adds one."""
+    pins how many a unit costs fails when a change adds one. ``where``: only those made
+    while it says so (one worker's units among an in-process fleet's)."""
 
-    def __init__(self, monkeypatch: Any) -> None:
+    def __init__(self, monkeypatch: Any, where: Callable[[], bool] = lambda: True) -> None:
         self.n = 0
         sync = psycopg.AsyncPipeline.sync
         exit_ = psycopg.AsyncPipeline.__aexit__
         fetch = psycopg.AsyncCursor._fetch_pipeline
 
+        def count() -> None:
+            if where():
+                self.n += 1
+
         async def counted_sync(pipeline: psycopg.AsyncPipeline) -> None:
-            self.n += 1
+            count()
             await sync(pipeline)
 
         async def counted_exit(pipeline: psycopg.AsyncPipeline, *exc: Any) -> None:
-            self.n += 1
+            count()
             await exit_(pipeline, *exc)
 
         async def counted_fetch(cursor: psycopg.AsyncCursor[Any]) -> None:
             # the condition under which psycopg waits for the answer (no result yet)
             if cursor.pgresult is None and cursor.connection._pipeline is not None:
-                self.n += 1
+                count()
             await fetch(cursor)
 
         monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)

@@ -27,7 +27,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import psycopg
 
@@ -40,7 +40,7 @@ from tests.harness import (
     role_database,
     running,
 )
-from workers.io import broker
+from workers.io import broker, db
 from workers.runtime import outbox, supervisor
 from workers.runtime.outbox import OutboxPublisher
 
@@ -163,6 +163,46 @@ class _Recorder:
         return [broker.Outcome(o.message_id, True) for o in outgoing]
 
 
+async def _claimed(env: Env, holder: str, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Outbox rows queued already claimed by ``holder`` (as a commit queues them), and
+    each as the commit hands it to its sender."""
+    for i in ids:
+        await env.sql(
+            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, claimed_by,"
+            " claim_expires_at, publish_attempts)"
+            " VALUES (%s, 'query', %s, 'inventory.v1', '{}', %s,"
+            " clock_timestamp() + interval '1 minute', 1)",
+            (i, broker.EXCHANGE_COMMANDS, holder),
+        )
+    return [
+        {
+            "id": i,
+            "exchange": broker.EXCHANGE_COMMANDS,
+            "routing_key": "inventory.v1",
+            "body": b"{}",
+            "headers": {},
+            "publish_attempts": 1,
+        }
+        for i in ids
+    ]
+
+
+def _sender(database: db.Database, recorder: _Recorder, holder: str, ttl: float) -> OutboxPublisher:
+    """An engine sender of ``holder``'s claims that records what it publishes."""
+    sender = OutboxPublisher(
+        owner="engine",
+        database=database,
+        lease=None,
+        publisher=cast(broker.Publisher, recorder),
+        batch_size=10,
+        claim_ttl_s=ttl,
+        engine=True,
+        worker="committer",
+    )
+    sender.holder = holder
+    return sender
+
+
 async def test_a_submit_handed_over_half_a_claim_ago_is_left_to_the_publishers_claim(
     env: Env,
 ) -> None:
@@ -174,38 +214,10 @@ async def test_a_submit_handed_over_half_a_claim_ago_is_left_to_the_publishers_c
     publisher claims it. A fresh one is sent and marked."""
     holder, ttl = "committer-test", 0.4
     ids = [str(uuid.uuid4()) for _ in range(2)]
-    for i in ids:
-        await env.sql(
-            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, claimed_by,"
-            " claim_expires_at, publish_attempts)"
-            " VALUES (%s, 'query', %s, 'inventory.v1', '{}', %s,"
-            " clock_timestamp() + interval '1 minute', 1)",
-            (i, broker.EXCHANGE_COMMANDS, holder),
-        )
-    rows = [
-        {
-            "id": i,
-            "exchange": broker.EXCHANGE_COMMANDS,
-            "routing_key": "inventory.v1",
-            "body": b"{}",
-            "headers": {},
-            "publish_attempts": 1,
-        }
-        for i in ids
-    ]
+    rows = await _claimed(env, holder, ids)
     recorder = _Recorder()
     async with role_database(env.settings.database_url, "custody_committer") as database:
-        sender = OutboxPublisher(
-            owner="engine",
-            database=database,
-            lease=None,
-            publisher=cast(broker.Publisher, recorder),
-            batch_size=10,
-            claim_ttl_s=ttl,
-            engine=True,
-            worker="committer",
-        )
-        sender.holder = holder
+        sender = _sender(database, recorder, holder, ttl)
         stale, fresh = rows
         sender.hand([stale])
         await asyncio.sleep(ttl / 2 + 0.05)  # the condition itself: half the claim's life
@@ -271,25 +283,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
     given back."""
     holder = "committer-test"
     ids = [str(uuid.uuid4()) for _ in range(3)]
-    for i in ids:
-        await env.sql(
-            "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, claimed_by,"
-            " claim_expires_at, publish_attempts)"
-            " VALUES (%s, 'query', %s, 'inventory.v1', '{}', %s,"
-            " clock_timestamp() + interval '1 minute', 1)",
-            (i, broker.EXCHANGE_COMMANDS, holder),
-        )
-    rows = [
-        {
-            "id": i,
-            "exchange": broker.EXCHANGE_COMMANDS,
-            "routing_key": "inventory.v1",
-            "body": b"{}",
-            "headers": {},
-            "publish_attempts": 1,
-        }
-        for i in ids
-    ]
+    rows = await _claimed(env, holder, ids)
     idle, waiting, stopped = rows
     idle_id, waiting_id, stopped_id = ids
 
@@ -300,17 +294,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
     recorder = _Recorder()
     # the publisher's role: these are query rows, which a committer's role never holds
     async with role_database(env.settings.database_url, "custody_publisher") as database:
-        sender = OutboxPublisher(
-            owner="engine",
-            database=database,
-            lease=None,
-            publisher=cast(broker.Publisher, recorder),
-            batch_size=10,
-            claim_ttl_s=60,
-            engine=True,
-            worker="committer",
-        )
-        sender.holder = holder
+        sender = _sender(database, recorder, holder, 60)
         # no loop waits: it leaves with the next cycle, not before
         sender.hand([idle])
         for _ in range(5):

@@ -25,15 +25,14 @@ import asyncio
 import contextvars
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
-import psycopg
 import pytest
 
 from tests.conftest import Env, wait_until
 from tests.harness import (
     PARTICIPANTS,
     InProcessFleet,
+    RoundTrips,
     drain,
     held_instances,
     order,
@@ -81,6 +80,26 @@ async def _committer_completes_it(env: Env, fleet: InProcessFleet) -> None:
     )
 
 
+async def _three_orders_through_receipts(env: Env, fleet: InProcessFleet) -> None:
+    """Three orders started, their first operations created by the committer, which then
+    stops: the receipt consumer alone takes each instance to its end."""
+    committer = fleet.start("committer")
+    for p in PARTICIPANTS:
+        fleet.start(p)
+    await publish_starts(env.settings, [order(i) for i in range(3)])
+    await _until(env, "SELECT count(*) FROM custody.operations", 3, "3 first operations")
+    await fleet.stop(committer)
+    fleet.start("receipts")
+    await _until(
+        env,
+        "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
+        3,
+        "3 instances completed without a committer",
+        timeout=30,
+    )
+    fleet.check_alive()
+
+
 async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction(
     env: Env,
 ) -> None:
@@ -91,21 +110,7 @@ async def test_a_receipts_successor_is_activated_and_sent_in_its_own_transaction
     submit published by the receipt consumer's sender and marked after the confirm, and
     the instance ended there too. No successor intent ever waited for the committer."""
     async with running(env) as fleet:
-        committer = fleet.start("committer")
-        for p in PARTICIPANTS:
-            fleet.start(p)
-        await publish_starts(env.settings, [order(i) for i in range(3)])
-        await _until(env, "SELECT count(*) FROM custody.operations", 3, "3 first operations")
-        await fleet.stop(committer)
-        fleet.start("receipts")
-        await _until(
-            env,
-            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
-            3,
-            "3 instances completed without a committer",
-            timeout=30,
-        )
-        fleet.check_alive()
+        await _three_orders_through_receipts(env, fleet)
 
         intents = await env.sql(
             "SELECT status, done_at = created_at FROM custody.successor_intents"
@@ -245,63 +250,26 @@ async def test_each_receipt_unit_costs_two_round_trips_whether_it_activates_or_e
     end's history is written by the end's own statement, where waiting for which
     instances it ended cost a third). "Workflow receipt application | A validated result
     and successor intent commit once": each instance still completes through it."""
-    unit: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("unit", default=None)
+    inside: contextvars.ContextVar[bool] = contextvars.ContextVar("inside", default=False)
+    trips = RoundTrips(monkeypatch, where=inside.get)  # the receipt units' alone
     costs: list[int] = []
     apply = receipts.ReceiptConsumer.apply
 
     async def counted(
         self: receipts.ReceiptConsumer, deliveries: Sequence[broker.Delivery]
     ) -> list[str]:
-        trips = [0]
-        token = unit.set(trips)
+        # the consumer's units run one after another: each one's count is its own
+        before = trips.n
+        token = inside.set(True)
         try:
             return await apply(self, deliveries)
         finally:
-            unit.reset(token)
-            costs.append(trips[0])
-
-    def count() -> None:
-        trips = unit.get()
-        if trips is not None:
-            trips[0] += 1
-
-    sync = psycopg.AsyncPipeline.sync
-    exit_ = psycopg.AsyncPipeline.__aexit__
-    fetch = psycopg.AsyncCursor._fetch_pipeline
-
-    async def counted_sync(pipeline: psycopg.AsyncPipeline) -> None:
-        count()
-        await sync(pipeline)
-
-    async def counted_exit(pipeline: psycopg.AsyncPipeline, *exc: Any) -> None:
-        count()
-        await exit_(pipeline, *exc)
-
-    async def counted_fetch(cursor: psycopg.AsyncCursor[Any]) -> None:
-        if cursor.pgresult is None and cursor.connection._pipeline is not None:
-            count()
-        await fetch(cursor)
+            inside.reset(token)
+            costs.append(trips.n - before)
 
     monkeypatch.setattr(receipts.ReceiptConsumer, "apply", counted)
-    monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)
-    monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", counted_exit)
-    monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)
     async with running(env) as fleet:
-        committer = fleet.start("committer")
-        for p in PARTICIPANTS:
-            fleet.start(p)
-        await publish_starts(env.settings, [order(i) for i in range(3)])
-        await _until(env, "SELECT count(*) FROM custody.operations", 3, "3 first operations")
-        await fleet.stop(committer)
-        fleet.start("receipts")
-        await _until(
-            env,
-            "SELECT count(*) FROM custody.instances WHERE status = 'completed'",
-            3,
-            "3 instances completed without a committer",
-            timeout=30,
-        )
-        fleet.check_alive()
+        await _three_orders_through_receipts(env, fleet)
     assert costs and set(costs) == {2}, costs
     ended = await env.sql(
         "SELECT DISTINCT actor FROM custody.history WHERE event = 'instance.completed'"
