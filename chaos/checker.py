@@ -8,7 +8,8 @@ broker's queues, with the categories of RabbitMQ's and Jepsen's queue checkers.
 * **duplicated**: a participant effect applied more than once for one operation.
 * **unexpected**: an effect with no engine operation (or one the engine recorded as
   failed or cancelled, or a success without its effect); a receipt applied that the
-  owner never issued; a new operation after an instance's cancellation committed, or
+  owner never issued, or a success that no applied receipt of the owner reported; a
+  new operation after an instance's cancellation committed, or
   an effect after a tombstone; a status that moved backward; an attempt created while
   the effect was unknown.
 * **unknown**: operations still ``outcome_unknown``, each with its query history.
@@ -292,6 +293,12 @@ def _check(
     for r in applied:
         if r["receipt_id"] not in journal:
             f.unexpected["applied_receipt_not_issued_by_owner"].append(r)
+    # a success is the owner's word: the receipt applied for it says succeeded (one that
+    # said accepted, or anything else, never ends an operation as succeeded)
+    reported = {str(r["operation_id"]) for r in applied if r["status"] == "succeeded"}
+    for o in ops:
+        if o["status"] == "succeeded" and str(o["id"]) not in reported:
+            f.unexpected["success_the_owner_never_reported"].append(o)
 
     # -- effects after a tombstone (INV-7) ------------------------------------------
     for rid, t in tombstones.items():
