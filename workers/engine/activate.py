@@ -148,7 +148,8 @@ async def finish(
         return []
     if logged:
         rows = [
-            {"id": f.instance_id, "status": f.status.value, "history": _plain(f.history)}
+            # the history row as history_insert takes it, its detail a plain object
+            {"id": f.instance_id, "status": f.status.value, "history": f.history.params(dict)}
             for f in finishes
         ]
         await tx.send_many("instance_finish", rows)
@@ -156,16 +157,6 @@ async def finish(
     rows = [{"id": f.instance_id, "status": f.status.value} for f in finishes]
     ended = {r["id"] for r in await tx.rows("instance_finish", {"rows": db.jsonb(rows)})}
     return [f.history for f in finishes if f.instance_id in ended]
-
-
-def _plain(h: records.History) -> dict[str, Any]:
-    """A history row as a JSON object (``instance_finish``'s ``history``)."""
-    return {
-        "operation_id": None if h.operation_id is None else str(h.operation_id),
-        "event": h.event,
-        "detail": dict(h.detail),
-        "actor": h.actor,
-    }
 
 
 async def write_plans(
