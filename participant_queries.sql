@@ -168,7 +168,12 @@ UPDATE inbox SET claimed_until = clock_timestamp() + make_interval(secs => %(del
  WHERE request_id = %(request_id)s AND status = 'accepted';
 
 -- name: p_exec_complete
--- The batch's completed commands, from their terminal receipts, in one statement.
+-- The batch's completed commands, from their terminal receipts, in one statement. Each
+-- row is locked by this transaction and still accepted (inserted by it, or re-checked
+-- under its lock by the executor): a row count below the batch's is a row changed under
+-- its lock, raised here (CU004, the unit is redone), so that the unit sends it with its
+-- COMMIT instead of waiting for the count.
+WITH completed AS (
 UPDATE inbox i
    SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
        result = r.result, error = r.error, completed_at = now(),
@@ -176,7 +181,10 @@ UPDATE inbox i
   FROM jsonb_to_recordset(%(rows)s)
        AS r(request_id uuid, status text, effect text, owner_revision integer, result jsonb,
             error jsonb)
- WHERE i.request_id = r.request_id AND i.status = 'accepted';
+ WHERE i.request_id = r.request_id AND i.status = 'accepted'
+RETURNING i.request_id)
+SELECT changed_under_lock('an inbox row of the batch')
+ WHERE (SELECT count(*) FROM completed) <> jsonb_array_length(%(rows)s);
 
 -- name: p_outbox_supersede
 -- A receipt still waiting to be sent when a newer receipt of the same command commits

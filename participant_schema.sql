@@ -97,3 +97,12 @@ ALTER TABLE inbox ADD COLUMN IF NOT EXISTS traceparent text;
 -- The executor's claim: set in a short transaction, re-checked by each handler's own
 -- transaction (acceptance never waits behind execution).
 ALTER TABLE inbox ADD COLUMN IF NOT EXISTS claim_token uuid;
+
+-- A statement guarded by the status it read its rows with raises this when it changed
+-- fewer rows than it was given (CU004, the engine's twin in transitions.sql): the unit
+-- is redone, re-reading everything, without the caller waiting for the row count.
+CREATE OR REPLACE FUNCTION changed_under_lock(p_what text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  RAISE EXCEPTION '% changed under its row lock', p_what USING ERRCODE = 'CU004';
+END $$;

@@ -22,6 +22,7 @@ from participants import samples
 from tests.conftest import Env, wait_until
 from tests.harness import InProcessFleet, RoundTrips, Running, client, drain, publish_raw
 from tests.integration.test_participant import _status, submit
+from workers import errors
 from workers.io import broker, db
 from workers.participant import service
 from workers.participant.service import Call
@@ -980,17 +981,17 @@ async def test_the_writes_of_a_batch_of_handlers_are_answered_together_each_effe
     assert sorted(r.request_id for r in terminal) == sorted(c.request_id for c in releases)
 
 
-async def test_an_inline_batch_is_accepted_in_three_round_trips_and_hands_its_receipts_after(
+async def test_an_inline_batch_is_accepted_in_two_round_trips_and_hands_its_receipts_after(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ "Participant completion: The business effect and terminal receipt are
     authoritative": a batch's acceptance, effects and terminal receipts commit together,
     and the receipts it queued go to the participant's own publisher only after that
-    commit, the ones its insert took. Whatever the batch's size the unit costs three
-    round trips (the inbox's insert, with the tombstones in the same statement; the
-    handlers' writes, answered with the completion; the receipts' insert, the outbox's
-    and the COMMIT, whose ids come back with the commit's answer), where it cost six,
-    then four."""
+    commit, the ones its insert took. Whatever the batch's size the unit costs two
+    round trips (the inbox's insert, with the tombstones in the same statement; then the
+    handlers' writes, the inbox rows' completion, the receipts' insert, the outbox's
+    and the COMMIT, all answered together, the ids with the commit's answer), where it
+    cost six, then four, then three."""
     releases = [submit(operation="inventory.release") for _ in range(12)]
     committed: list[int] = []  # of the handed rows, those another session saw when handed
     url = env.settings.participant_database_url
@@ -1025,7 +1026,7 @@ async def test_an_inline_batch_is_accepted_in_three_round_trips_and_hands_its_re
         participant.sender = sender
         trips = RoundTrips(monkeypatch)
         assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
-        assert trips.n == 3, f"{trips.n} round trips"
+        assert trips.n == 2, f"{trips.n} round trips"
 
     assert transactions.n == 1
     handed = sender.handed
@@ -1090,3 +1091,109 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
         [reserve.operation_id, more[1].operation_id]
     )
     assert await env.scalar(STOCK, participant=True) == before + 2 * len(good) - 2 * 2
+
+
+@pytest.mark.parametrize("path", ["inline", "executor"])
+async def test_a_write_sent_without_waiting_that_fails_at_the_commit_leaves_no_effect(
+    env: Env, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": the last handler's write that fails, sent without waiting, is
+    answered only with the completion, the receipts and the COMMIT (one flight). Its
+    error there is nobody's: nothing of the unit is kept, and it runs again with every
+    handler in a savepoint, where the error is the failing handler's alone (a bug: its
+    command stays accepted). The others' effects and receipts are kept, each once. Run
+    inline (the acceptance transaction) and by the executor (a claimed batch)."""
+    cmds = [submit(operation="inventory.release") for _ in range(4)]
+    bad = cmds[-1]
+
+    async def release(call: Call) -> Mapping[str, Any]:
+        result = await samples.release(call)
+        if call.request_id == bad.request_id:
+            await call.tx.business(
+                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
+                " VALUES (%s, %s, %s, NULL)",
+                (call.operation_id, "bad", "sku-1"),
+            )
+        return result
+
+    savepoints = _Savepoints(monkeypatch)
+    before = await env.scalar(STOCK, participant=True)
+    handlers = {**samples.HANDLERS["inventory"], "inventory.release": release}
+    inline = set(handlers) if path == "inline" else set()
+    if path == "executor":
+        await _accepted_together(env, cmds)
+    async with _inline(env, handlers, inline) as (participant, transactions):
+        if path == "inline":
+            assert await _accept(env, participant, cmds) == ["accepted"] * len(cmds)
+        else:
+            assert await participant.execute() == len(cmds)
+            transactions.n -= 1  # the claim's own
+        assert transactions.n == 2, "the first run rolled back whole, the second committed"
+        assert savepoints.n == len(cmds), "the second run: every handler in a savepoint"
+
+    statuses = {c.request_id: await _status(env, c.request_id) for c in cmds}
+    assert statuses.pop(bad.request_id) == "accepted", "a bug: left to the executor"
+    assert set(statuses.values()) == {"succeeded"}
+    good = [c for c in cmds if c is not bad]
+    assert await _effects(env, "releases", cmds) == sorted(c.operation_id for c in good)
+    assert await env.scalar(STOCK, participant=True) == before + 2 * len(good)
+    terminal = [r for r in await _outbox(env) if r.request_id in {c.request_id for c in cmds}]
+    assert sorted(r.request_id for r in terminal if r.status == "succeeded") == sorted(
+        c.request_id for c in good
+    ), "a terminal receipt for each kept effect, once; none for the failed handler"
+
+
+async def test_a_completion_whose_inbox_row_moved_under_its_lock_fails_its_unit_whole(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": the completion of a batch's inbox rows is guarded by the status they
+    were locked in (accepted). It is sent with the COMMIT, not waited for: a row no
+    longer accepted fails the statement there (CU004, the unit is redone, re-reading
+    everything), so the unit keeps nothing, not even the other rows' completion; a batch
+    whose rows are all still accepted completes in the COMMIT's one round trip."""
+    moved, kept = submit(), submit()
+    await _accepted_together(env, [moved, kept])
+    await env.sql(
+        f"UPDATE {SCHEMA}.inbox SET status = 'failed' WHERE request_id = %s",
+        (moved.request_id,),
+        participant=True,
+    )
+
+    def receipt(c: Any) -> OperationReceipt:
+        cmd = {
+            "request_id": c.request_id,
+            "tenant": c.tenant,
+            "operation_id": c.operation_id,
+            "attempt": c.attempt,
+        }
+        return service.make_receipt(
+            cmd,
+            ME,
+            status="succeeded",
+            effect="applied",
+            revision=2,
+            in_reply_to=c.request_id,
+            digest=c.digest,
+            result={"ok": True},
+        )
+
+    database = _database(env, "inventory-complete")
+    await database.open()
+    try:
+        with pytest.raises(errors.DatabaseError) as failed:
+            async with database.transaction() as tx:
+                await service._complete(tx, [receipt(kept), receipt(moved)])
+        assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
+        assert failed.value.kind is errors.Retry.RETRY
+        assert await _status(env, kept.request_id) == "accepted", "nothing of the unit kept"
+
+        trips = RoundTrips(monkeypatch)
+        async with database.transaction() as tx:
+            await service._complete(tx, [receipt(kept)])
+        assert trips.n == 1
+    finally:
+        await database.close()
+    assert await _status(env, kept.request_id) == "succeeded"
+    assert await _status(env, moved.request_id) == "failed"

@@ -132,7 +132,7 @@ def _translate(exc: psycopg.Error, *, during_commit: bool) -> errors.DatabaseErr
     return cls(f"{type(exc).__name__}: {exc}".strip(), kind, sqlstate)
 
 
-def statement_error(exc: BaseException) -> bool:
+def statement_error(exc: BaseException | None) -> bool:
     """An error Postgres (or the driver) raised for a statement: the transaction is
     aborted by it, whatever the caller does next."""
     return isinstance(exc, DRIVER_ERRORS)

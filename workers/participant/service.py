@@ -45,7 +45,15 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -259,6 +267,30 @@ class Participant:
             self._careful_unit = False
             return result
 
+    @contextlib.asynccontextmanager
+    async def _unit(self) -> AsyncIterator[db.Tx]:
+        """A transaction that runs handlers. The writes they sent without waiting, and
+        the completion of their inbox rows, are answered with its COMMIT (one round
+        trip for the whole last flight): an error of one of them there is no known
+        handler's, so the unit runs again with every handler in a savepoint
+        (:class:`_Redo` without an operation), as for such an error raised earlier.
+        Not in a unit that runs so already (there the error is the unit's own), nor
+        for a COMMIT whose outcome is not known (redone as any other)."""
+        tx: db.Tx | None = None
+        try:
+            async with self.db.transaction() as tx:
+                yield tx
+        except errors.DatabaseError as exc:
+            if (
+                tx is not None
+                and tx.deferred
+                and not self._careful_unit
+                and exc.kind is not errors.Retry.IN_DOUBT
+                and db.statement_error(exc.__cause__)
+            ):
+                raise _Redo(None, "", exc) from exc
+            raise
+
     def _be_careful(self, operation: str) -> None:
         """The next runs of ``operation`` each get a savepoint (see :class:`_Redo`)."""
         last = self._careful_window.get(operation)
@@ -284,7 +316,7 @@ class Participant:
         worker = names.participant_worker(self.me.owner)
         async with (
             otel.transaction("acceptance", worker) as span,
-            self.db.transaction() as tx,
+            self._unit() as tx,
         ):
             commands: list[tuple[broker.Delivery, acceptance.Command | None]] = []
             for d in deliveries:
@@ -501,7 +533,7 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
-        await _complete(tx, done, careful=self._careful_unit)
+        await _complete(tx, done)
         return done
 
     async def _insert(
@@ -793,7 +825,7 @@ class Participant:
         loop = asyncio.get_running_loop()
         async with (
             otel.claimed("completion", names.participant_worker(self.me.owner)) as span,
-            self.db.transaction() as tx,
+            self._unit() as tx,
         ):
             began = loop.time()
             for request_id in request_ids:
@@ -818,7 +850,7 @@ class Participant:
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
-            await _complete(tx, [r for r, _ in receipts], careful=self._careful_unit)
+            await _complete(tx, [r for r, _ in receipts])
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.send_many(
                 "p_outbox_supersede",
@@ -977,35 +1009,26 @@ async def _settle(tx: db.Tx) -> None:
         await tx.settle()
 
 
-async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt], *, careful: bool) -> None:
+async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
     """The inbox rows of these terminal receipts take their status, effect, revision,
-    result and error, in one statement (each row is locked by this transaction and
-    still accepted: inserted by it, or re-checked under its lock by the executor).
-
-    The writes the batch's handlers sent without waiting are answered with it, in one
-    round trip: an error there is no known handler's (:func:`_deferred_errors`). In a
-    careful unit every handler's writes were answered in its savepoint, so an error here
-    is the completion's own; with no receipt, they are answered on their own."""
-    if not receipts:
-        await _settle(tx)
-        return
-    with contextlib.nullcontext() if careful else _deferred_errors(tx):
-        changed = await tx.run_many(
-            "p_exec_complete",
-            [
-                {
-                    "request_id": r.request_id,
-                    "status": r.status,
-                    "effect": r.effect,
-                    "owner_revision": r.owner_revision,
-                    "result": r.result,
-                    "error": r.error.model_dump() if r.error else None,
-                }
-                for r in receipts
-            ],
-        )
-    if changed != len(receipts):
-        raise errors.RowChanged(f"{len(receipts) - changed} inbox rows changed under their lock")
+    result and error, in one statement sent without waiting: it leaves and is answered
+    with the COMMIT. A row that changed under this transaction's lock fails it there
+    (CU004: the unit is redone). An error of a write a handler sent without waiting is
+    raised there too, where it is no known handler's (:meth:`Participant._unit`)."""
+    await tx.send_many(
+        "p_exec_complete",
+        [
+            {
+                "request_id": r.request_id,
+                "status": r.status,
+                "effect": r.effect,
+                "owner_revision": r.owner_revision,
+                "result": r.result,
+                "error": r.error.model_dump() if r.error else None,
+            }
+            for r in receipts
+        ],
+    )
 
 
 def _cmd(c: SubmitCommand) -> dict[str, Any]:
