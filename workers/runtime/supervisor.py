@@ -173,10 +173,22 @@ async def supervise(main: Sequence[Awaitable[None]], side: Sequence[Awaitable[No
                 if t in sides:
                     raise errors.CustodyError(f"side task {t.get_name()} ended unexpectedly")
     finally:
-        for t in mains + sides:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*mains, *sides, return_exceptions=True)
+        await _cancel_all([*mains, *sides])
+
+
+async def _cancel_all(tasks: Sequence[asyncio.Future[None]], *, again_s: float = 1.0) -> None:
+    """Cancel the tasks and wait for them to end, cancelling again every ``again_s`` the
+    ones that have not: a cancellation can be lost (Python 3.11's ``asyncio.wait_for``
+    swallows one that comes as its inner wait completes, and psycopg_pool's wait for a
+    connection uses it), and a loop that lost it would run on, holding the drain until
+    its grace period ran out."""
+    left = [t for t in tasks if not t.done()]
+    while left:
+        for t in left:
+            t.cancel()
+        await asyncio.wait(left, timeout=again_s)
+        left = [t for t in left if not t.done()]
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Waker:
