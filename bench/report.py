@@ -20,6 +20,7 @@ from bench import profile
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuWindow
 from bench.custody_run import CustodyResult
+from bench.hop import Hop
 from bench.peers import PeerResult
 from bench.pg_activity import PgActivity
 from bench.resources import query
@@ -159,6 +160,10 @@ BENCH_CLIENTS = (
 
 def _ms(value: float) -> str:
     return f"{value:,.0f} ms" if value >= 10 else f"{value:,.1f} ms"
+
+
+def _ms2(value: float) -> str:
+    return f"{value:,.2f} ms"
 
 
 def _mib(kib: int) -> str:
@@ -376,6 +381,8 @@ class Report:
     peers: list[PeerResult] = field(default_factory=list)
     # rounds 2..N of custody r1 and the peers, alternated (round 1 is head and peers)
     rounds: list[Round] = field(default_factory=list)
+    # the broker's own hop, measured alone right after custody r1's run (bench/hop.py)
+    hops: list[Hop] = field(default_factory=list)
     total_s: float = 0.0
 
     @property
@@ -811,6 +818,28 @@ class Report:
                     ["leg", "p50", "p90", "operations"],
                     [[h.what, _ms(h.p50_ms), _ms(h.p90_ms), f"{h.count:,}"] for h in c.light_hops],
                 )
+        if self.hops:
+            lines += [
+                "",
+                "The broker's own hop, alone, right after custody r1's run"
+                " (`python -m bench.hop`: one persistent message at a time, published with a"
+                " confirm and consumed with an ack by aio-pika, nothing else): a light-load"
+                " operation crosses a quorum queue twice, its submit and its receipt.",
+                "",
+            ]
+            lines += _table(
+                ["queue", "publish → delivery p50", "p90", "publish → confirm p50", "messages"],
+                [
+                    [
+                        h.queue,
+                        _ms2(h.delivered_p50_ms),
+                        _ms2(h.delivered_p90_ms),
+                        _ms2(h.confirmed_p50_ms),
+                        f"{h.messages:,}",
+                    ]
+                    for h in self.hops
+                ],
+            )
         lines += [
             "",
             "## Correctness (checked; a mismatch fails the run)",

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import hop
 from bench.backlog import Backlog
 from bench.baseline_run import run_baseline
 from bench.celery_run import run_celery
@@ -264,6 +265,11 @@ async def _runs(opts: Options, settings: Settings) -> int:
         first, others = reference_first(opts.replicas)
         head = await _custody(opts, settings, report, logs, first)
         report.custody.append(head)
+        if opts.light:
+            # the broker's own hop, alone, beside custody's light phase: its floor
+            report.hops = await hop.run(messages=200)
+            for h in report.hops:
+                print(f"  {h.line()}", flush=True)
         for peer in opts.peers:
             report.peers.append(await _peer(opts, settings, logs, peer, head, light=opts.light))
         # the ratios again, alternated: custody r1's burst, then each peer's (bursts only;

@@ -12,6 +12,7 @@ from bench import pace, run
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuRow, CpuWindow, MachineCpu
 from bench.custody_run import CustodyResult
+from bench.hop import Hop
 from bench.peers import PeerResult
 from bench.report import Machine, Report, Round, machine_pace, median, round_ratios
 from workers.settings import Settings
@@ -199,3 +200,16 @@ def test_the_rounds_repeat_the_replica_setting_the_ratios_are_taken_against() ->
     assert run.reference_first([2, 1]) == (1, [2])
     assert run.reference_first([3, 2]) == (3, [2])
     assert run.reference_first([2, 1, 1]) == (1, [2, 1])
+
+
+def test_the_brokers_own_hop_is_reported_beside_the_light_load_legs() -> None:
+    """The floor under a light-load operation, measured in the same run: the broker's
+    hop through a quorum queue alone (bench/hop.py), and a classic queue's beside it."""
+    report = _report(ROUNDS[:1])
+    report.hops = [Hop("quorum", 1.96, 2.56, 1.83, 200), Hop("classic", 1.61, 1.92, 2.22, 200)]
+    text = report.markdown()
+    assert "| quorum | 1.96 ms | 2.56 ms | 1.83 ms | 200 |" in text
+    assert "| classic | 1.61 ms | 1.92 ms | 2.22 ms | 200 |" in text
+    assert "crosses a quorum queue twice" in text
+    report.hops = []
+    assert "crosses a quorum queue twice" not in report.markdown()
