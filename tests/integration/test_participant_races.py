@@ -1123,6 +1123,14 @@ async def test_a_write_sent_without_waiting_that_fails_at_the_commit_leaves_no_e
     inline = set(handlers) if path == "inline" else set()
     if path == "executor":
         await _accepted_together(env, cmds)
+        # the executor runs a claimed batch in acceptance order: the bad one last, so
+        # that its error is raised by the COMMIT, not by the next command's lock
+        await env.sql(
+            f"UPDATE {SCHEMA}.inbox SET accepted_at = accepted_at + interval '1 second'"
+            " WHERE request_id = %s",
+            (bad.request_id,),
+            participant=True,
+        )
     async with _inline(env, handlers, inline) as (participant, transactions):
         if path == "inline":
             assert await _accept(env, participant, cmds) == ["accepted"] * len(cmds)
@@ -1197,3 +1205,44 @@ async def test_a_completion_whose_inbox_row_moved_under_its_lock_fails_its_unit_
         await database.close()
     assert await _status(env, kept.request_id) == "succeeded"
     assert await _status(env, moved.request_id) == "failed"
+
+
+async def test_a_rerun_in_savepoints_is_its_own_units_not_the_other_loops(env: Env) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative": acceptance and the executor run at once on one participant, each in
+    its own task. A unit that must run again with every handler in a savepoint (a write
+    sent without waiting failed, whose handler is not known) is that loop's alone: the
+    other loop's units keep running without savepoints, and the first loop's rerun is
+    not turned back to one without them when the other loop's unit commits."""
+    participant = service.Participant(
+        ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), None  # type: ignore[arg-type]
+    )
+    rerunning = asyncio.Event()
+    other_done = asyncio.Event()
+    seen: dict[str, list[bool]] = {"acceptance": [], "executor": []}
+
+    async def acceptance_unit() -> str:
+        seen["acceptance"].append(service.careful_unit())
+        if len(seen["acceptance"]) == 1:
+            raise service._Redo(None, "r-1", RuntimeError("a write sent without waiting"))
+        rerunning.set()
+        await other_done.wait()  # the executor's unit commits while this one reruns
+        seen["acceptance"].append(service.careful_unit())
+        return "accepted"
+
+    async def executor_unit() -> str:
+        await rerunning.wait()
+        seen["executor"].append(service.careful_unit())
+        return "executed"
+
+    async def executor() -> str:
+        try:
+            return await participant._redone(executor_unit)
+        finally:
+            other_done.set()
+
+    results = await asyncio.gather(participant._redone(acceptance_unit), executor())
+    assert results == ["accepted", "executed"]
+    assert seen["acceptance"] == [False, True, True], "its rerun in savepoints, throughout"
+    assert seen["executor"] == [False], "the other loop's unit runs as it would have"
+    assert service.careful_unit() is False

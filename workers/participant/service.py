@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import uuid
@@ -112,6 +113,19 @@ class _Redo(Exception):
 # after writing keeps its savepoints; a redo costs its whole unit), up to 65,536
 CAREFUL_RUNS = 256
 CAREFUL_RUNS_MAX = 65_536
+
+# The unit being run is a rerun with every handler in a savepoint (its writes answered
+# before it ends), after a write sent without waiting failed whose handler is not known.
+# Per task: acceptance and the executor run at once on one participant, and one loop's
+# rerun is not the other's (Participant._redone sets it, for the unit it runs).
+_CAREFUL_UNIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "custody_careful_unit", default=False
+)
+
+
+def careful_unit() -> bool:
+    """Whether the unit this task runs is a rerun with every handler in a savepoint."""
+    return _CAREFUL_UNIT.get()
 
 
 @dataclass(frozen=True)
@@ -233,9 +247,6 @@ class Participant:
         # (see _Redo)
         self._careful: dict[str, int] = {}
         self._careful_window: dict[str, int] = {}
-        # the unit is being run again after a write sent without waiting failed: every
-        # handler of it in a savepoint (its writes answered before it ends)
-        self._careful_unit = False
 
     async def _redone(self, unit: Callable[[], Awaitable[_U]]) -> _U:
         """Run ``unit`` (one transaction that runs handlers) until no handler run
@@ -244,28 +255,27 @@ class Participant:
         asks no redo for it: there are at most as many redos as operations. A redo
         whose operation is not known runs the unit once with every handler careful
         (a careful handler never asks for a redo); a handler that fails after writing
-        in that run gets its operation careful runs instead."""
-        while True:
-            try:
-                result = await unit()
-            except _Redo as redo:
-                if redo.operation is None:
-                    self._careful_unit = True
-                else:
-                    self._be_careful(redo.operation)
-                logs.event(
-                    "participant.handler_redo",
-                    owner=self.me.owner,
-                    operation=redo.operation or "(not known: a write sent without waiting)",
-                    request_id=redo.request_id,
-                    error=repr(redo.error)[:300],
-                )
-                continue
-            except BaseException:
-                self._careful_unit = False
-                raise
-            self._careful_unit = False
-            return result
+        in that run gets its operation careful runs instead. That rerun is this task's
+        alone (:func:`careful_unit`): the other loop's units run as they would."""
+        token = _CAREFUL_UNIT.set(False)
+        try:
+            while True:
+                try:
+                    return await unit()
+                except _Redo as redo:
+                    if redo.operation is None:
+                        _CAREFUL_UNIT.set(True)
+                    else:
+                        self._be_careful(redo.operation)
+                    logs.event(
+                        "participant.handler_redo",
+                        owner=self.me.owner,
+                        operation=redo.operation or "(not known: a write sent without waiting)",
+                        request_id=redo.request_id,
+                        error=repr(redo.error)[:300],
+                    )
+        finally:
+            _CAREFUL_UNIT.reset(token)
 
     @contextlib.asynccontextmanager
     async def _unit(self) -> AsyncIterator[db.Tx]:
@@ -277,6 +287,7 @@ class Participant:
         Not in a unit that runs so already (there the error is the unit's own), nor
         for a COMMIT whose outcome is not known (redone as any other)."""
         tx: db.Tx | None = None
+        careful = careful_unit()
         try:
             async with self.db.transaction() as tx:
                 yield tx
@@ -284,7 +295,7 @@ class Participant:
             if (
                 tx is not None
                 and tx.deferred
-                and not self._careful_unit
+                and not careful
                 and exc.kind is not errors.Retry.IN_DOUBT
                 and db.statement_error(exc.__cause__)
             ):
@@ -914,7 +925,7 @@ class Participant:
         runs = self._careful.get(operation, 0)
         if runs:
             self._careful[operation] = runs - 1
-        careful = bool(runs) or self._careful_unit
+        careful = bool(runs) or careful_unit()
         if careful:
             # what earlier handlers sent without waiting is answered before this one
             # starts: an error of theirs is never taken for one of this handler's
@@ -943,7 +954,7 @@ class Participant:
                 # (Tx.read) and failed had nothing to undo: its failure is its receipt
                 unknown = tx.deferred > 0 and db.statement_error(exc)
                 raise _Redo(None if unknown else operation, row["request_id"], exc) from exc
-            if self._careful_unit and db.statement_error(exc):
+            if careful_unit() and db.statement_error(exc):
                 # its own write failed (answered in its savepoint): its next runs are
                 # careful, so they fail alone, not the whole unit
                 self._be_careful(operation)
@@ -991,13 +1002,15 @@ class Participant:
 def _deferred_errors(tx: db.Tx) -> Iterator[None]:
     """Around a statement that waits for the answers of writes handlers sent without
     waiting: an error there is no known handler's, so the unit runs again with every
-    handler in a savepoint (:class:`_Redo` without an operation)."""
+    handler in a savepoint (:class:`_Redo` without an operation). Not in such a rerun:
+    there every handler's writes were answered in its savepoint, and an error is the
+    statement's own (a deadlock is redone with backoff, not rerun at once)."""
     try:
         yield
     except _Redo:
         raise
     except Exception as exc:
-        if tx.deferred and db.statement_error(exc):
+        if tx.deferred and db.statement_error(exc) and not careful_unit():
             raise _Redo(None, "", exc) from exc
         raise
 
