@@ -1192,14 +1192,14 @@ async def test_a_completion_whose_inbox_row_moved_under_its_lock_fails_its_unit_
     try:
         with pytest.raises(errors.DatabaseError) as failed:
             async with database.transaction() as tx:
-                await service._complete(tx, [receipt(kept), receipt(moved)])
+                await service.complete(tx, [receipt(kept), receipt(moved)])
         assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
         assert failed.value.kind is errors.Retry.RETRY
         assert await _status(env, kept.request_id) == "accepted", "nothing of the unit kept"
 
         trips = RoundTrips(monkeypatch)
         async with database.transaction() as tx:
-            await service._complete(tx, [receipt(kept)])
+            await service.complete(tx, [receipt(kept)])
         assert trips.n == 1
     finally:
         await database.close()
@@ -1210,39 +1210,51 @@ async def test_a_completion_whose_inbox_row_moved_under_its_lock_fails_its_unit_
 async def test_a_rerun_in_savepoints_is_its_own_units_not_the_other_loops(env: Env) -> None:
     """ "Participant completion: The business effect and terminal receipt are
     authoritative": acceptance and the executor run at once on one participant, each in
-    its own task. A unit that must run again with every handler in a savepoint (a write
-    sent without waiting failed, whose handler is not known) is that loop's alone: the
-    other loop's units keep running without savepoints, and the first loop's rerun is
-    not turned back to one without them when the other loop's unit commits."""
-    participant = service.Participant(
-        ME, samples.HANDLERS["inventory"], env.participant_settings("inventory"), None  # type: ignore[arg-type]
-    )
-    rerunning = asyncio.Event()
-    other_done = asyncio.Event()
+    its own task. An acceptance whose write sent without waiting failed runs again with
+    every handler in a savepoint; while it does, the executor's unit runs and commits
+    as it would have (no savepoints of its own), and the rerun stays one in savepoints
+    after that commit. Each effect once, none of the failed write's."""
+    good, bad = submit(operation="inventory.release"), submit(operation="inventory.release")
+    claimed = submit()  # accepted earlier, for the executor
+    await _accepted_together(env, [claimed])
+    rerunning, executed = asyncio.Event(), asyncio.Event()
     seen: dict[str, list[bool]] = {"acceptance": [], "executor": []}
 
-    async def acceptance_unit() -> str:
-        seen["acceptance"].append(service.careful_unit())
-        if len(seen["acceptance"]) == 1:
-            raise service._Redo(None, "r-1", RuntimeError("a write sent without waiting"))
-        rerunning.set()
-        await other_done.wait()  # the executor's unit commits while this one reruns
-        seen["acceptance"].append(service.careful_unit())
-        return "accepted"
+    async def release(call: Call) -> Mapping[str, Any]:
+        if call.request_id == bad.request_id:
+            seen["acceptance"].append(service.careful_unit())
+            if service.careful_unit():  # the rerun: the executor runs while it is here
+                rerunning.set()
+                await asyncio.wait_for(executed.wait(), 10)
+                seen["acceptance"].append(service.careful_unit())
+        result = await samples.release(call)
+        if call.request_id == bad.request_id and not service.careful_unit():
+            await call.tx.business(
+                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
+                " VALUES (%s, %s, %s, NULL)",
+                (call.operation_id, "bad", "sku-1"),
+            )
+        return result
 
-    async def executor_unit() -> str:
-        await rerunning.wait()
+    async def reserve(call: Call) -> Mapping[str, Any]:
         seen["executor"].append(service.careful_unit())
-        return "executed"
+        return {"reserved": 0}
 
-    async def executor() -> str:
+    async def executor() -> int:
+        await asyncio.wait_for(rerunning.wait(), 10)
         try:
-            return await participant._redone(executor_unit)
+            return await participant.execute()
         finally:
-            other_done.set()
+            executed.set()
 
-    results = await asyncio.gather(participant._redone(acceptance_unit), executor())
-    assert results == ["accepted", "executed"]
+    handlers = {"inventory.release": release, "inventory.reserve": reserve}
+    async with _inline(env, handlers, {"inventory.release"}) as (participant, _):
+        decisions, ran = await asyncio.gather(_accept(env, participant, [good, bad]), executor())
+    assert decisions == ["accepted", "accepted"]
+    assert ran == 1
     assert seen["acceptance"] == [False, True, True], "its rerun in savepoints, throughout"
     assert seen["executor"] == [False], "the other loop's unit runs as it would have"
-    assert service.careful_unit() is False
+    assert {await _status(env, c.request_id) for c in [good, bad, claimed]} == {"succeeded"}
+    assert await _effects(env, "releases", [good, bad]) == sorted(
+        [good.operation_id, bad.operation_id]
+    ), "each release once, the failed write's row not kept"

@@ -544,7 +544,7 @@ class Participant:
             if receipt is not None:
                 done.append(receipt)
                 trace[c.request_id] = traceparent
-        await _complete(tx, done)
+        await complete(tx, done)
         return done
 
     async def _insert(
@@ -861,7 +861,7 @@ class Participant:
                 if loop.time() - began >= EXEC_TX_BUDGET_S:
                     break
             trace = {r.request_id: tp for r, tp in receipts if tp}
-            await _complete(tx, [r for r, _ in receipts])
+            await complete(tx, [r for r, _ in receipts])
             queued = await self._emit(tx, [r for r, _ in receipts], trace=trace)
             await tx.send_many(
                 "p_outbox_supersede",
@@ -1022,7 +1022,7 @@ async def _settle(tx: db.Tx) -> None:
         await tx.settle()
 
 
-async def _complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
+async def complete(tx: db.Tx, receipts: Sequence[OperationReceipt]) -> None:
     """The inbox rows of these terminal receipts take their status, effect, revision,
     result and error, in one statement sent without waiting: it leaves and is answered
     with the COMMIT. A row that changed under this transaction's lock fails it there
