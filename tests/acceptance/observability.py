@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.parse
@@ -24,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.acceptance.support import Crew
 from tests.conftest import Env
 from tests.harness import publish_raw
-from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Proc
+from workers.harness.fleet import ENGINE_WORKERS, PARTICIPANTS, Proc, free_port
 from workers.io import broker
 from workers.settings import ROOT
 
@@ -120,12 +119,6 @@ WORKER_NAMES = {**{w: w for w in ENGINE_WORKERS}, **{p: f"participant-{p}" for p
 
 
 # -- processes and HTTP --------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

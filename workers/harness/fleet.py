@@ -48,9 +48,33 @@ class Proc:
     metrics_port: int = 0  # 0: none (CUSTODY_METRICS_PORT unset)
 
 
+# Ports handed out by free_port: below the kernel's ephemeral range (32768-60999 by
+# default), where no process's bind(0) lands, so that a port found free is not given to
+# another process's listener (another pytest-xdist worker's proxy, say) before the
+# worker it is meant for binds it. Each pytest-xdist worker walks a block of its own;
+# any other process (the demo, a single pytest) the last one. The chaos harness keeps
+# 21000-21999 (its --base-port).
+PORTS_FROM = 24000
+PORT_BLOCK = 1000
+PORT_BLOCKS = 8
+_port_offset = [os.getpid()]
+
+
 def free_port() -> int:
-    """A TCP port on the loopback nobody listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on the loopback nobody listens on now, from this process's block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else -1
+    block = PORTS_FROM + (n % PORT_BLOCKS) * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = block + _port_offset[0] % PORT_BLOCK
+        _port_offset[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the block is full
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
