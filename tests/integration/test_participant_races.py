@@ -1041,6 +1041,27 @@ async def test_an_inline_batch_is_accepted_in_two_round_trips_and_hands_its_rece
     assert claimed == [("test-sender",)]
 
 
+async def _bad_write(call: Call) -> None:
+    """A write that fails (a release's quantity is NOT NULL), sent without waiting: its
+    error is raised later, by a statement that is not its handler's."""
+    await call.tx.business(
+        "INSERT INTO releases (operation_id, order_id, sku, quantity) VALUES (%s, %s, %s, NULL)",
+        (call.operation_id, "bad", "sku-1"),
+    )
+
+
+def _release_with_a_bad_write(bad: Any) -> service.Handler:
+    """The sample release handler, which also sends a failing write for ``bad``."""
+
+    async def release(call: Call) -> Mapping[str, Any]:
+        result = await samples.release(call)
+        if call.request_id == bad.request_id:
+            await _bad_write(call)
+        return result
+
+    return release
+
+
 async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blames_its_handler(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1058,16 +1079,7 @@ async def test_a_write_sent_without_waiting_that_fails_leaves_no_effect_and_blam
     cmds.insert(4, reserve)
     bad = cmds[2]
 
-    async def release(call: Call) -> Mapping[str, Any]:
-        result = await samples.release(call)
-        if call.request_id == bad.request_id:
-            await call.tx.business(
-                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
-                " VALUES (%s, %s, %s, NULL)",
-                (call.operation_id, "bad", "sku-1"),
-            )
-        return result
-
+    release = _release_with_a_bad_write(bad)
     savepoints = _Savepoints(monkeypatch)
     before = await env.scalar(STOCK, participant=True)
     handlers = {**samples.HANDLERS["inventory"], "inventory.release": release}
@@ -1107,16 +1119,7 @@ async def test_a_write_sent_without_waiting_that_fails_at_the_commit_leaves_no_e
     cmds = [submit(operation="inventory.release") for _ in range(4)]
     bad = cmds[-1]
 
-    async def release(call: Call) -> Mapping[str, Any]:
-        result = await samples.release(call)
-        if call.request_id == bad.request_id:
-            await call.tx.business(
-                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
-                " VALUES (%s, %s, %s, NULL)",
-                (call.operation_id, "bad", "sku-1"),
-            )
-        return result
-
+    release = _release_with_a_bad_write(bad)
     savepoints = _Savepoints(monkeypatch)
     before = await env.scalar(STOCK, participant=True)
     handlers = {**samples.HANDLERS["inventory"], "inventory.release": release}
@@ -1229,11 +1232,7 @@ async def test_a_rerun_in_savepoints_is_its_own_units_not_the_other_loops(env: E
                 seen["acceptance"].append(service.careful_unit())
         result = await samples.release(call)
         if call.request_id == bad.request_id and not service.careful_unit():
-            await call.tx.business(
-                "INSERT INTO releases (operation_id, order_id, sku, quantity)"
-                " VALUES (%s, %s, %s, NULL)",
-                (call.operation_id, "bad", "sku-1"),
-            )
+            await _bad_write(call)
         return result
 
     async def reserve(call: Call) -> Mapping[str, Any]:
