@@ -266,7 +266,8 @@ async def _runs(opts: Options, settings: Settings) -> int:
         head = await _custody(opts, settings, report, logs, first)
         report.custody.append(head)
         if opts.light:
-            # the broker's own hop, alone, beside custody's light phase: its floor
+            # the broker's own hop, alone, right after custody r1's run: the floor under
+            # its light-load legs (bench/hop.py)
             report.hops = await hop.run(messages=200)
             for h in report.hops:
                 print(f"  {h.line()}", flush=True)
