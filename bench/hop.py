@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 from dataclasses import dataclass
 
 import aio_pika
 
+from bench.peers import percentile
 from bench.resources import fresh_vhost
 from workers.harness import env
 from workers.io import broker
@@ -34,7 +34,7 @@ GAP_S = 0.005  # between messages: one at a time, the broker idle in between
 
 
 @dataclass(frozen=True)
-class Hop:
+class BrokerHop:
     queue: str
     delivered_p50_ms: float
     delivered_p90_ms: float
@@ -49,12 +49,7 @@ class Hop:
         )
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def one_queue(url: str, kind: str, messages: int) -> Hop:
+async def one_queue(url: str, kind: str, messages: int) -> BrokerHop:
     """``messages`` persistent messages through a queue of ``kind``, one at a time."""
     publisher = await aio_pika.connect(url)
     consumer = await aio_pika.connect(url)
@@ -83,11 +78,11 @@ async def one_queue(url: str, kind: str, messages: int) -> Hop:
             confirmed.append((time.perf_counter() - sent) * 1000)
             delivered.append((await asyncio.wait_for(arrived.get(), 10) - sent) * 1000)
             await asyncio.sleep(GAP_S)
-        return Hop(
+        return BrokerHop(
             kind,
-            statistics.median(delivered),
-            _p(delivered, 0.9),
-            statistics.median(confirmed),
+            percentile(delivered, 0.5),
+            percentile(delivered, 0.9),
+            percentile(confirmed, 0.5),
             messages,
         )
     finally:
@@ -95,7 +90,7 @@ async def one_queue(url: str, kind: str, messages: int) -> Hop:
         await publisher.close()
 
 
-async def run(messages: int, warmup: int = 20) -> list[Hop]:
+async def run(messages: int, warmup: int = 20) -> list[BrokerHop]:
     settings = Settings.from_env()
     await fresh_vhost(settings, VHOST)
     try:

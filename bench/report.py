@@ -20,7 +20,7 @@ from bench import profile
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuWindow
 from bench.custody_run import CustodyResult
-from bench.hop import Hop
+from bench.hop import BrokerHop
 from bench.peers import PeerResult
 from bench.pg_activity import PgActivity
 from bench.resources import query
@@ -382,7 +382,7 @@ class Report:
     # rounds 2..N of custody r1 and the peers, alternated (round 1 is head and peers)
     rounds: list[Round] = field(default_factory=list)
     # the broker's own hop, measured alone right after custody r1's run (bench/hop.py)
-    hops: list[Hop] = field(default_factory=list)
+    broker_hops: list[BrokerHop] = field(default_factory=list)
     total_s: float = 0.0
 
     @property
@@ -818,7 +818,7 @@ class Report:
                     ["leg", "p50", "p90", "operations"],
                     [[h.what, _ms(h.p50_ms), _ms(h.p90_ms), f"{h.count:,}"] for h in c.light_hops],
                 )
-        if self.hops:
+        if self.broker_hops:
             lines += [
                 "",
                 "The broker's own hop, alone, right after custody r1's run"
@@ -837,7 +837,7 @@ class Report:
                         _ms2(h.confirmed_p50_ms),
                         f"{h.messages:,}",
                     ]
-                    for h in self.hops
+                    for h in self.broker_hops
                 ],
             )
         lines += [

@@ -268,8 +268,8 @@ async def _runs(opts: Options, settings: Settings) -> int:
         if opts.light:
             # the broker's own hop, alone, right after custody r1's run: the floor under
             # its light-load legs (bench/hop.py)
-            report.hops = await hop.run(messages=200)
-            for h in report.hops:
+            report.broker_hops = await hop.run(messages=200)
+            for h in report.broker_hops:
                 print(f"  {h.line()}", flush=True)
         for peer in opts.peers:
             report.peers.append(await _peer(opts, settings, logs, peer, head, light=opts.light))

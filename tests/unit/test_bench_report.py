@@ -12,7 +12,7 @@ from bench import pace, run
 from bench.baseline_run import BaselineResult
 from bench.cpu import CpuRow, CpuWindow, MachineCpu
 from bench.custody_run import CustodyResult
-from bench.hop import Hop
+from bench.hop import BrokerHop
 from bench.peers import PeerResult
 from bench.report import Machine, Report, Round, machine_pace, median, round_ratios
 from workers.settings import Settings
@@ -206,10 +206,13 @@ def test_the_brokers_own_hop_is_reported_beside_the_light_load_legs() -> None:
     """The floor under a light-load operation, measured in the same run: the broker's
     hop through a quorum queue alone (bench/hop.py), and a classic queue's beside it."""
     report = _report(ROUNDS[:1])
-    report.hops = [Hop("quorum", 1.96, 2.56, 1.83, 200), Hop("classic", 1.61, 1.92, 2.22, 200)]
+    report.broker_hops = [
+        BrokerHop("quorum", 1.96, 2.56, 1.83, 200),
+        BrokerHop("classic", 1.61, 1.92, 2.22, 200),
+    ]
     text = report.markdown()
     assert "| quorum | 1.96 ms | 2.56 ms | 1.83 ms | 200 |" in text
     assert "| classic | 1.61 ms | 1.92 ms | 2.22 ms | 200 |" in text
     assert "crosses a quorum queue twice" in text
-    report.hops = []
+    report.broker_hops = []
     assert "crosses a quorum queue twice" not in report.markdown()

@@ -294,10 +294,8 @@ class Participant:
         except errors.DatabaseError as exc:
             if (
                 tx is not None
-                and tx.deferred
-                and not careful
                 and exc.kind is not errors.Retry.IN_DOUBT
-                and db.statement_error(exc.__cause__)
+                and _nobodys(tx, exc.__cause__, careful=careful)
             ):
                 raise _Redo(None, "", exc) from exc
             raise
@@ -1010,9 +1008,17 @@ def _deferred_errors(tx: db.Tx) -> Iterator[None]:
     except _Redo:
         raise
     except Exception as exc:
-        if tx.deferred and db.statement_error(exc) and not careful_unit():
+        if _nobodys(tx, exc, careful=careful_unit()):
             raise _Redo(None, "", exc) from exc
         raise
+
+
+def _nobodys(tx: db.Tx, error: BaseException | None, *, careful: bool) -> bool:
+    """A statement's error that may be that of a write a handler sent without waiting,
+    in a unit whose handlers ran without savepoints: which handler's is not known. In a
+    rerun with every handler in a savepoint (``careful``) each handler's writes were
+    answered in its savepoint, so such an error is the statement's own."""
+    return bool(tx.deferred) and not careful and db.statement_error(error)
 
 
 async def _settle(tx: db.Tx) -> None:
