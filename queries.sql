@@ -185,11 +185,9 @@ UPDATE instances SET status = 'running', suspended_reason = NULL, updated_at = n
  WHERE id = %(id)s AND status::text = 'suspended' AND suspended_reason = %(reason)s;
 
 -- name: instance_results
--- planned per execution: a batch's rows of a growing table by their keys
--- (the instances successor_claim locked, in this transaction)
-SELECT instance_id, node, result FROM operations
- WHERE instance_id = ANY((SELECT custody.claimed_instances())::uuid[]) AND status = 'succeeded'
- ORDER BY instance_id, node, activation;
+-- planned once, by its keys (custody.instance_results in transitions.sql): the results of
+-- the instances successor_claim (or receipt_instances_claim) locked, in this transaction
+SELECT * FROM custody.instance_results();
 
 -- name: node_activations
 -- (the instances successor_claim locked, in this transaction)
@@ -327,18 +325,10 @@ SELECT count(*)::int AS marked FROM marked;
 -- Receipt consumer: a batch of receipts and cancellations applied in one transaction ------
 
 -- name: operations_lock
--- planned per execution: a batch's rows of a growing table by their keys
--- What a receipt is judged and applied by, no more: not the operation's input or its
--- lineage document, which are not read here (decoding their jsonb was a tenth of the
--- receipt consumer's row reading), only the pinned process version.
-SELECT o.id, o.tenant, o.instance_id, o.node, o.owner, o.principal, o.attempt, o.status,
-       o.effect, o.owner_revision, o.receipt_hash, o.lineage->>'process' AS process,
-       (o.lineage->>'process_version')::integer AS process_version, o.created_at,
-       i.status::text AS instance_status
-  FROM operations o JOIN instances i ON i.id = o.instance_id
- WHERE o.id = ANY(%(ids)s)
- ORDER BY o.id
-   FOR UPDATE OF o;
+-- planned once, by its keys (custody.operations_lock in transitions.sql): what a receipt
+-- is judged and applied by, no more (decoding the operation's input and lineage jsonb was
+-- a tenth of the receipt consumer's row reading), its operation locked
+SELECT * FROM custody.operations_lock(%(ids)s::uuid[]);
 
 -- name: attempts_for
 SELECT request_id::text, operation_id::text, attempt, kind, digest
@@ -348,12 +338,10 @@ SELECT request_id::text, operation_id::text, attempt, kind, digest
 SELECT receipt_id::text, content_hash FROM receipt_inbox WHERE receipt_id = ANY(%(ids)s);
 
 -- name: revisions_seen
--- planned per execution: a batch's rows of a growing table by their keys
--- Every (operation, attempt, owner revision) already recorded, with its content.
-SELECT operation_id::text, attempt, owner_revision, content_hash FROM receipt_inbox
- WHERE (operation_id, attempt, owner_revision) IN (
-       SELECT * FROM unnest(%(operation_id)s::uuid[], %(attempt)s::int[],
-                            %(owner_revision)s::int[]));
+-- planned once, by its keys (custody.revisions_seen in transitions.sql): every
+-- (operation, attempt, owner revision) already recorded, with its content
+SELECT * FROM custody.revisions_seen(%(operation_id)s::uuid[], %(attempt)s::int[],
+                                      %(owner_revision)s::int[]);
 
 -- name: receipt_record
 INSERT INTO receipt_inbox (receipt_id, operation_id, attempt, owner_revision, status,
@@ -421,31 +409,10 @@ SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node,
 ON CONFLICT (from_operation_id) DO NOTHING;
 
 -- name: receipt_instances_claim
--- planned per execution: a batch's rows of a growing table by their keys
--- The instances of a batch's terminal receipts, locked only where no one holds them
--- (the committer's claim, a cancel, an operator's command: their intents are left to
--- the committer), after the batch's operations (operations_lock, sent before: the
--- receipt consumer never waits for an instance while it holds operations). A cancel
--- that commits first is seen here; one that comes later waits for this commit and sees
--- the new operation. Their ids are kept in the transaction (custody.claimed_instances)
--- for instance_results and node_activations, sent after it, as in successor_claim.
-WITH c AS (
-  SELECT i.id AS instance_id, i.tenant, i.status::text AS instance_status, i.process,
-         i.process_version, i.input, i.traceparent, i.routes
-    FROM instances i
-   WHERE i.id IN (SELECT o.instance_id FROM operations o
-                   WHERE o.id = ANY(%(ids)s)
-                     -- a duplicate or late receipt of a settled operation moves nothing
-                     -- on: its instance is not held (this transaction locked these rows)
-                     AND o.status NOT IN ('succeeded', 'failed', 'cancelled'))
-   ORDER BY i.id
-     FOR UPDATE OF i SKIP LOCKED
-), kept AS (
-  SELECT set_config('custody.claimed_instances',
-                    coalesce(string_agg(instance_id::text, ','), ''), true)
-    FROM c
-)
-SELECT c.* FROM c CROSS JOIN kept ORDER BY c.instance_id;
+-- planned once, by its keys (custody.receipt_instances_claim in transitions.sql): the
+-- instances of a batch's terminal receipts, locked where free, after its operations;
+-- their ids kept in the transaction for instance_results and node_activations
+SELECT * FROM custody.receipt_instances_claim(%(ids)s::uuid[]);
 
 -- name: instance_suspend
 UPDATE instances SET status = 'suspended', updated_at = now()

@@ -170,6 +170,108 @@ BEGIN
   RAISE EXCEPTION '% changed under its row lock', p_what USING ERRCODE = 'CU004';
 END $$;
 
+-- Reads planned once, by their keys ------------------------------------------------------
+-- The receipt consumer's reads (queries.sql calls each by the same name), planned once per
+-- session and kept: a PL/pgSQL function keeps the plan of its statement, and these
+-- settings, in force while it runs and only then, make it a generic plan that reaches
+-- every table by its keys, whatever the table's size or statistics when it is made (a
+-- plan that a worker prepared while the tables were young and kept as they grew read
+-- them in full: test_query_plans.py). As plain statements they were planned for each
+-- execution instead, so as to see the tables as they are: a tenth of a millisecond and
+-- more of the backend's time per statement, on every receipt's way at light load.
+-- A change of a function's arguments or columns needs a DROP FUNCTION first (this file is
+-- applied again on every migrate, and CREATE OR REPLACE keeps a function's signature).
+
+-- The batch's operations, locked in key order, with what a receipt is judged by (not the
+-- operation's input or lineage document: only its pinned process version).
+CREATE OR REPLACE FUNCTION custody.operations_lock(p_ids uuid[])
+RETURNS TABLE (id uuid, tenant text, instance_id uuid, node text, owner text,
+               principal text, attempt integer, status custody.operation_status,
+               effect custody.effect, owner_revision integer, receipt_hash text,
+               process text, process_version integer, created_at timestamptz,
+               instance_status text)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
+BEGIN
+  RETURN QUERY
+  SELECT o.id, o.tenant, o.instance_id, o.node, o.owner, o.principal, o.attempt, o.status,
+         o.effect, o.owner_revision, o.receipt_hash, o.lineage->>'process',
+         (o.lineage->>'process_version')::integer, o.created_at, i.status::text
+    FROM custody.operations o JOIN custody.instances i ON i.id = o.instance_id
+   WHERE o.id = ANY(p_ids)
+   ORDER BY o.id
+     FOR UPDATE OF o;
+END $$;
+
+-- Every (operation, attempt, owner revision) already recorded, with its content.
+CREATE OR REPLACE FUNCTION custody.revisions_seen(
+  p_operation uuid[], p_attempt integer[], p_revision integer[])
+RETURNS TABLE (operation_id text, attempt integer, owner_revision integer, content_hash text)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
+BEGIN
+  RETURN QUERY
+  SELECT r.operation_id::text, r.attempt, r.owner_revision, r.content_hash
+    FROM custody.receipt_inbox r
+   WHERE (r.operation_id, r.attempt, r.owner_revision) IN (
+         SELECT * FROM unnest(p_operation, p_attempt, p_revision));
+END $$;
+
+-- The instances of a batch's terminal receipts, locked only where no one holds them (the
+-- committer's claim, a cancel, an operator's command: their intents are left to the
+-- committer), after the batch's operations (operations_lock, sent before: the receipt
+-- consumer never waits for an instance while it holds operations). A cancel that commits
+-- first is seen here; one that comes later waits for this commit and sees the new
+-- operation. Their ids are kept in the transaction (custody.claimed_instances) for
+-- instance_results and node_activations, sent after it, as in successor_claim.
+CREATE OR REPLACE FUNCTION custody.receipt_instances_claim(p_ids uuid[])
+RETURNS TABLE (instance_id uuid, tenant text, instance_status text, process text,
+               process_version integer, input jsonb, traceparent text, routes jsonb)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
+BEGIN
+  RETURN QUERY
+  WITH c AS (
+    SELECT i.id AS instance_id, i.tenant, i.status::text AS instance_status, i.process,
+           i.process_version, i.input, i.traceparent, i.routes
+      FROM custody.instances i
+     WHERE i.id IN (SELECT o.instance_id FROM custody.operations o
+                     WHERE o.id = ANY(p_ids)
+                       -- a duplicate or late receipt of a settled operation moves nothing
+                       -- on: its instance is not held (this transaction locked these rows)
+                       AND o.status NOT IN ('succeeded', 'failed', 'cancelled'))
+     ORDER BY i.id
+       FOR UPDATE OF i SKIP LOCKED
+  ), kept AS (
+    SELECT set_config('custody.claimed_instances',
+                      coalesce(string_agg(c.instance_id::text, ','), ''), true)
+      FROM c
+  )
+  SELECT c.* FROM c CROSS JOIN kept ORDER BY c.instance_id;
+END $$;
+
+-- The results of the instances claimed in this transaction (successor_claim's or
+-- receipt_instances_claim's), their successors are planned from.
+CREATE OR REPLACE FUNCTION custody.instance_results()
+RETURNS TABLE (instance_id uuid, node text, result jsonb)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
+BEGIN
+  RETURN QUERY
+  SELECT o.instance_id, o.node, o.result FROM custody.operations o
+   WHERE o.instance_id = ANY((SELECT custody.claimed_instances())::uuid[])
+     AND o.status = 'succeeded'
+   ORDER BY o.instance_id, o.node, o.activation;
+END $$;
+
 -- Retire the pending submits that must never be sent (of one operation, or all): the
 -- operation is settled or cancelling, or the submit is for an earlier attempt.
 CREATE OR REPLACE FUNCTION custody.t_retire_submits(p_actor text, p_operation uuid DEFAULT NULL)
@@ -804,6 +906,10 @@ GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, cust
   custody_receipts, custody_reconciler;
 GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.claimed_instances() TO custody_committer, custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.operations_lock(uuid[]),
+  custody.revisions_seen(uuid[], integer[], integer[]), custody.receipt_instances_claim(uuid[])
+  TO custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.instance_results() TO custody_committer, custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

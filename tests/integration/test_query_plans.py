@@ -307,14 +307,21 @@ def test_a_retention_delete_reaches_the_old_rows_through_their_time_index(
 
 
 def nested_plans(
-    url: str, schema: str, statement: LiteralString, params: dict[str, Any]
+    url: str,
+    schema: str,
+    statement: LiteralString,
+    params: dict[str, Any],
+    claimed: str | None = None,
 ) -> list[dict[str, Any]]:
     """The plans of every statement a call runs, the function bodies' included
-    (auto_explain, reported to this session), in a transaction rolled back."""
+    (auto_explain, reported to this session), in a transaction rolled back; ``claimed``:
+    as in :func:`explain`."""
     messages: list[str] = []
     with psycopg.connect(url) as conn:
         conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
         conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
+        if claimed is not None:
+            conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [claimed])
         conn.execute("LOAD 'auto_explain'")
         conn.execute("SET auto_explain.log_min_duration = 0")
         conn.execute("SET auto_explain.log_nested_statements = on")
@@ -350,12 +357,7 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
         "instances_pkey",
         {"holder": "plan-test", "ttl": 30, "held": False, "limit": 50},
     ),
-    # the receipts' lock of a batch's operations, with their instances' status
-    "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
-    # the instances of a receipt batch's operations, locked where free (the instances by
-    # their key too: test_…_reaches_its_instance_by_its_key)
-    "receipt_instances_claim": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
-    "operations_lock ": ("instances", "instances_pkey", {"ids": [uuid.uuid4()]}),
+    # (the receipts' reads planned once are held to the same: KEYED below)
 }
 
 
@@ -544,6 +546,11 @@ def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
         "young, generic": generic_plan(young, statement, {}),
         "large, analysed": explain(*databases["engine"], statement, {}),
     }
+    if name in KEYED:  # the plan its function keeps (generic there by its own settings)
+        plans = {
+            "young, generic": body_plan(young, name, {}),
+            "large, analysed": body_plan(databases["engine"][0], name, {}),
+        }
     for kind, plan in plans.items():
         per_row = [
             n["Node Type"]
@@ -570,27 +577,10 @@ def _batch_rows(**row: Any) -> Any:
 # name -> (relation, the only index it may be read through, parameters): a batch's
 # statements that reach the rows of a growing table by their keys, planned per execution
 PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
-    # the instances successor_claim locked in the transaction (custody.claimed_instances,
-    # empty here): by an index on the instance (the key (instance, node, activation) also
-    # gives the rows in order; the plain one needs a sort of the batch's rows)
-    "instance_results": (
-        "operations",
-        "operations_instance_id_node_activation_key|operations_instance",
-        {},
-    ),
     "outbox_mark_dispatched": (
         "operations",
         "operations_pkey",
         {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
-    ),
-    "operations_lock": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
-    # the instances of a receipt batch's operations, locked where free (the instances by
-    # their key too: test_…_reaches_its_instance_by_its_key)
-    "receipt_instances_claim": ("operations", "operations_pkey", {"ids": [uuid.uuid4()]}),
-    "revisions_seen": (
-        "receipt_inbox",
-        "receipt_inbox_revision",
-        {"operation_id": [uuid.uuid4()], "attempt": [1], "owner_revision": [2]},
     ),
     "operation_apply": (
         "operations",
@@ -616,12 +606,9 @@ PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
 # a unit of one item (light load) runs on rows of a growing table by their keys (the
 # batch ones with a batch of one; the committer's reads of the instance it claimed)
 ONE_ITEM: dict[str, tuple[str, str, dict[str, Any]]] = {
-    name: PER_EXECUTION[name]
-    for name in ("operation_apply", "node_finish", "instance_finish", "instance_results")
+    name: PER_EXECUTION[name] for name in ("operation_apply", "node_finish", "instance_finish")
 } | {
     "node_activations": ("node_states", "node_states_pkey", {}),
-    # the receipt consumer's lock of its receipt's instance
-    "receipt_instances_claim": ("instances", "instances_pkey", {"ids": [uuid.uuid4()]}),
 }
 MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after its burst
 
@@ -661,6 +648,115 @@ def test_a_unit_of_one_item_reaches_its_rows_by_their_keys_on_a_table_of_any_siz
     relation, index, params = ONE_ITEM[name]
     plan = explain(middle, "custody", sql.query(name), params, claimed=_FIRST)
     _read_by_key(name, plan, relation, index)
+
+
+# The receipt consumer's reads planned once (queries.sql calls each a function of the same
+# name in transitions.sql, whose settings make the plan it keeps a generic one by keys):
+# name -> (parameters, what it reads: (relation, the only index it may be read through))
+KEYED: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
+    "operations_lock": (
+        {"ids": [uuid.uuid4()]},
+        [("operations", "operations_pkey"), ("instances", "instances_pkey")],
+    ),
+    "revisions_seen": (
+        {"operation_id": [uuid.uuid4()], "attempt": [1], "owner_revision": [2]},
+        [("receipt_inbox", "receipt_inbox_revision")],
+    ),
+    # the instances of a receipt batch's operations, locked where free
+    "receipt_instances_claim": (
+        {"ids": [uuid.uuid4()]},
+        [("operations", "operations_pkey"), ("instances", "instances_pkey")],
+    ),
+    # the instances claimed in the transaction (custody.claimed_instances): by an index on
+    # the instance (the key (instance, node, activation) also gives the rows in order)
+    "instance_results": (
+        {},
+        [("operations", "operations_instance_id_node_activation_key|operations_instance")],
+    ),
+}
+
+
+def body_plan(url: str, name: str, params: dict[str, Any], claimed: str | None = None) -> Any:
+    """The plan of the statement a read planned once runs: its function's body, planned
+    as the function plans it (its own settings), seen through auto_explain."""
+    plans = nested_plans(url, "custody", sql.query(name), params, claimed)
+    [body] = [p for p in plans if f"custody.{name}(" not in p["Query Text"]]
+    return body["Plan"]
+
+
+@pytest.mark.parametrize("name", list(KEYED))
+def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
+    name: str, young: str, middle: str, databases: dict[str, tuple[str, str]]
+) -> None:
+    """The receipt consumer's reads on every receipt's way (the operations it locks, the
+    revisions it has seen, the instances it claims and their results) were planned for
+    each execution, so that a plan made while the tables were young would not be kept as
+    they grew: parsed and planned again for every receipt, a tenth of a millisecond and
+    more of the backend's time each, on every light-load operation's way. Each is now a
+    function that plans its statement once per session and keeps it, with the settings
+    that make that plan a generic one reaching every table by its keys: the same plan on
+    the empty tables of a deployment's first seconds (the one a worker would keep), on a
+    few thousand rows not yet analysed, and on a large analysed history."""
+    params, reads = KEYED[name]
+    urls = {"young": young, "middle": middle, "large, analysed": databases["engine"][0]}
+    for kind, url in urls.items():
+        plan = body_plan(url, name, params, claimed=_FIRST)
+        for relation, index in reads:
+            _read_by_key(f"{name} ({kind})", plan, relation, index)
+
+
+def test_a_read_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
+    growing: str,
+) -> None:
+    """The plan a worker's session makes while the tables are young is the one it keeps
+    (its calls prepared, as psycopg prepares them past its threshold): once the tables
+    have grown (and are not analysed yet), the same session still reaches every row by
+    its keys."""
+    messages: list[str] = []
+    with psycopg.connect(growing) as conn:  # one session, as a worker's connection is
+        conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
+        conn.execute("SET search_path = custody")
+        conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [_FIRST])
+        for _ in range(8):
+            for name, (params, _) in KEYED.items():
+                conn.execute(sql.query(name), params, prepare=True)
+            conn.rollback()
+        with psycopg.connect(growing, autocommit=True) as other:
+            other.execute("SET session_replication_role = replica")  # rows without parents
+            grown = ("instances ", "operations ", "receipt_inbox ")
+            for statement in ENGINE_ROWS:
+                if any(f"custody.{t}" in statement for t in grown):
+                    other.execute(statement)
+        conn.execute("LOAD 'auto_explain'")
+        conn.execute("SET auto_explain.log_min_duration = 0")
+        conn.execute("SET auto_explain.log_nested_statements = on")
+        conn.execute("SET auto_explain.log_format = 'json'")
+        conn.execute("SET auto_explain.log_level = 'notice'")
+        for name, (params, _) in KEYED.items():
+            conn.execute(sql.query(name), params, prepare=True)
+        conn.rollback()
+    plans = [json.loads(m[m.index("{") :]) for m in messages if "plan:" in m]
+    for name, (_, reads) in KEYED.items():
+        [body] = [
+            p
+            for p in plans
+            if p["Query Text"] != sql.query(name).strip()
+            and f"custody.{name}(" not in p["Query Text"]
+            and _body_of(name, p["Query Text"])
+        ]
+        for relation, index in reads:
+            _read_by_key(f"{name} (grown)", body["Plan"], relation, index)
+
+
+def _body_of(name: str, text: str) -> bool:
+    """Whether auto_explain's nested statement is the body of this read's function."""
+    marks = {
+        "operations_lock": "FOR UPDATE OF o",
+        "revisions_seen": "FROM custody.receipt_inbox r",
+        "receipt_instances_claim": "FOR UPDATE OF i SKIP LOCKED",
+        "instance_results": "SELECT o.instance_id, o.node, o.result",
+    }
+    return marks[name] in text
 
 
 def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
@@ -713,7 +809,8 @@ async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_
     never prepared (the worker's own transaction, past psycopg's prepare threshold, leaves
     no prepared statement for them, while an ordinary one is prepared), and planned for each
     execution they reach the rows by their keys on a table that grew since it was last
-    analysed."""
+    analysed. (``operations_lock`` and ``instance_results`` are since planned once, with
+    settings that keep that plan by keys: ``KEYED``.)"""
     with psycopg.connect(growing, autocommit=True) as conn:
         iid = str(uuid.uuid4())
         conn.execute(

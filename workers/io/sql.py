@@ -8,7 +8,9 @@ parameter is ``%(rows)s`` takes all its rows at once, as a jsonb array of row ob
 (``jsonb_to_recordset``): :meth:`workers.io.db.Tx.run_many` sends one statement. A
 statement with a ``-- planned per execution: <why>`` line is never prepared: Postgres
 plans it for each execution, on the tables as they are then (see
-:func:`planned_per_execution`). The
+:func:`planned_per_execution`). A read on every receipt's way is instead a call of a
+function of its name in ``transitions.sql`` (``-- planned once, by its keys``), which plans
+its statement once per session, with settings that keep that plan by keys. The
 directory is the ``sql_dir`` setting (``CUSTODY_SQL_DIR``), read when the queries are
 first needed:
 importing this module reads neither the environment nor a file.
