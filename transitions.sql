@@ -1,6 +1,6 @@
 -- custody: the controlled recovery commands, in the database (applied after schema.sql
--- and commands.sql; idempotent), and the hot path's batch statements planned once, by
--- their keys (below claimed_instances).
+-- and commands.sql; idempotent), and the receipt consumer's reads planned once, by their
+-- keys (below claimed_instances).
 --
 -- "Operators use controlled recovery commands rather than editing runtime rows
 -- directly." An operator is a Postgres login role of its own, registered in
@@ -171,16 +171,18 @@ BEGIN
   RAISE EXCEPTION '% changed under its row lock', p_what USING ERRCODE = 'CU004';
 END $$;
 
--- Statements planned once, by their keys ------------------------------------------------
--- The batch statements on a receipt's way, the ends of instances and the engine's confirm
--- mark (queries.sql calls each by the same name), planned once per session and kept: a
--- PL/pgSQL function keeps the plan of its statement, and these settings, in force while
--- it runs and only then, make it a generic plan that reaches every table by its keys,
--- whatever the table's size or statistics when it is made (a plan that a worker prepared
--- while the tables were young and kept as they grew read them in full:
--- test_query_plans.py). As plain statements they were planned for each execution instead,
--- so as to see the tables as they are: a tenth of a millisecond and more of the backend's
--- time per statement, on every receipt's way at light load.
+-- Reads planned once, by their keys ------------------------------------------------------
+-- The receipt consumer's reads (queries.sql calls each by the same name), planned once per
+-- session and kept: a PL/pgSQL function keeps the plan of its statement, and these
+-- settings, in force while it runs and only then, make it a generic plan that reaches
+-- every table by its keys, whatever the table's size or statistics when it is made (a
+-- plan that a worker prepared while the tables were young and kept as they grew read
+-- them in full: test_query_plans.py). As plain statements they were planned for each
+-- execution instead, so as to see the tables as they are: a tenth of a millisecond and
+-- more of the backend's time per statement, on every receipt's way at light load.
+-- Only reads: a batch's writes join a jsonb set of its rows to their table, and a generic
+-- plan of such a join, made on young tables, read the table whole (an index without a
+-- key, a nested loop over the batch); they stay planned for each execution (queries.sql).
 -- A release's workers call these by name and signature, and the previous release's
 -- workers still run while its migrate re-applies this file: a change of a function's
 -- arguments or columns is a new function under a new name (operations_lock_v2), the old
@@ -259,124 +261,6 @@ BEGIN
       FROM c
   )
   SELECT c.* FROM c CROSS JOIN kept ORDER BY c.instance_id;
-END $$;
-
--- A batch's operation changes (each operation at most once: records.fold_updates), each
--- guarded by the status it was judged from: a change whose row is no longer in that status
--- (changed under its lock) fails the whole statement (CU004, the unit is redone), so that
--- the caller need not wait for a row count.
-CREATE OR REPLACE FUNCTION custody.operation_apply(p_rows jsonb) RETURNS void
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
-AS $$
-DECLARE v_applied integer;
-BEGIN
-  UPDATE custody.operations o
-     SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
-         receipt_hash = r.receipt_hash, result = coalesce(r.result, o.result),
-         error = coalesce(r.error, o.error), updated_at = now(),
-         deadline_at = coalesce(o.deadline_at,
-                                now() + make_interval(secs => o.deadline_seconds)),
-         retry_at = now() + make_interval(secs => r.retry_in),
-         finished_at = CASE WHEN r.terminal THEN now() END
-    FROM jsonb_to_recordset(p_rows)
-         AS r(id uuid, expected custody.operation_status, status custody.operation_status,
-              effect custody.effect, owner_revision integer, receipt_hash text,
-              result jsonb, error jsonb, terminal boolean, retry_in double precision)
-   WHERE o.id = r.id AND o.status = r.expected;
-  GET DIAGNOSTICS v_applied = ROW_COUNT;
-  IF v_applied <> jsonb_array_length(p_rows) THEN
-    PERFORM custody.changed_under_lock('an operation of the batch');
-  END IF;
-END $$;
-
--- A batch's finished nodes.
-CREATE OR REPLACE FUNCTION custody.node_finish(p_rows jsonb) RETURNS void
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
-AS $$
-BEGIN
-  UPDATE custody.node_states n SET status = r.status, updated_at = now()
-    FROM jsonb_to_recordset(p_rows) AS r(operation_id uuid, status text)
-   WHERE n.operation_id = r.operation_id AND n.status = 'active';
-END $$;
-
--- A batch's ends, each only from running; returns the instances ended. An end given its
--- history row writes it here, in the batch's order, only if it did end the instance: a
--- unit that writes nothing after its ends need not wait for which ones they were. The
--- status as text: the instances by their key, never every running one through
--- instances_status (see instance_suspend_for in queries.sql).
-CREATE OR REPLACE FUNCTION custody.instance_finish(p_rows jsonb) RETURNS TABLE (id uuid)
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
-AS $$
-BEGIN
-  RETURN QUERY
-  WITH r AS (
-    SELECT * FROM ROWS FROM (jsonb_to_recordset(p_rows)
-                             AS (id uuid, status custody.instance_status, history jsonb))
-                  WITH ORDINALITY AS r(id, status, history, n)
-  ), ended AS (
-    UPDATE custody.instances i SET status = r.status, finished_at = now(), updated_at = now()
-      FROM r
-     WHERE i.id = r.id AND i.status::text = 'running'
-    RETURNING i.id
-  ), logged AS (
-    INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
-    SELECT r.id, (r.history->>'operation_id')::uuid, r.history->>'event',
-           coalesce(r.history->'detail', '{}'), r.history->>'actor'
-      FROM r JOIN ended ON ended.id = r.id
-     WHERE r.history IS NOT NULL
-     ORDER BY r.n
-  )
-  SELECT ended.id FROM ended;
-END $$;
-
--- The engine's confirm mark: the confirmed rows that this publisher's claim holds are
--- marked published, and each confirmed submit among them dispatches its operation, with
--- one history row per operation it moved. The confirm mark never moves an operation
--- backward; the deadline clock starts here. Only a submit's confirm dispatches (a query's
--- or a cancel's confirm is not progress), and only the submit of the operation's current
--- attempt: a late confirm of attempt n's submit does not dispatch attempt n+1, whose own
--- submit may not have been sent. Returns how many rows it marked.
-CREATE OR REPLACE FUNCTION custody.outbox_mark_dispatched(
-  p_ids uuid[], p_holder text, p_actor text) RETURNS integer
-LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
-AS $$
-DECLARE v_marked integer;
-BEGIN
-  WITH published AS (
-    UPDATE custody.outbox b
-       SET status = 'published', published_at = now(), claimed_by = NULL,
-           claim_expires_at = NULL, last_error = NULL
-     -- lower(): the rows by their key, never every pending row through outbox_pending
-     -- (a plan made on young tables would keep that index: the predicate it serves,
-     -- status = 'pending', is not proved by this one)
-     WHERE b.id = ANY(p_ids) AND b.claimed_by = p_holder AND lower(b.status) = 'pending'
-    RETURNING b.id, b.kind, b.operation_id
-  ), moved AS (
-    UPDATE custody.operations o
-       SET status = 'dispatched', updated_at = now(),
-           deadline_at = coalesce(o.deadline_at,
-                                  now() + make_interval(secs => o.deadline_seconds))
-      FROM published m
-     WHERE m.kind = 'submit' AND o.id = m.operation_id AND o.status = 'pending'
-       AND EXISTS (SELECT 1 FROM custody.attempts a
-                    WHERE a.request_id = m.id AND a.kind = 'submit'
-                      AND a.operation_id = o.id AND a.attempt = o.attempt)
-    RETURNING o.id, o.instance_id
-  ), logged AS (
-    INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
-    SELECT moved.instance_id, moved.id, 'operation.dispatched', '{}', p_actor
-      FROM moved ORDER BY moved.id
-  )
-  SELECT count(*)::int INTO v_marked FROM published;
-  RETURN v_marked;
 END $$;
 
 -- The results of the instances claimed in this transaction (successor_claim's or
@@ -1033,11 +917,6 @@ GRANT EXECUTE ON FUNCTION custody.operations_lock(uuid[]),
   custody.revisions_seen(uuid[], integer[], integer[]), custody.receipt_instances_claim(uuid[])
   TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.instance_results() TO custody_committer, custody_receipts;
-GRANT EXECUTE ON FUNCTION custody.operation_apply(jsonb), custody.node_finish(jsonb)
-  TO custody_receipts;
-GRANT EXECUTE ON FUNCTION custody.instance_finish(jsonb) TO custody_committer, custody_receipts;
-GRANT EXECUTE ON FUNCTION custody.outbox_mark_dispatched(uuid[], text, text)
-  TO custody_committer, custody_receipts, custody_publisher;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

@@ -12,6 +12,7 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any, LiteralString
@@ -24,7 +25,7 @@ from psycopg import sql as pg_sql
 from tests.conftest import clone_database
 from workers import provision
 from workers.engine import retention as engine_retention
-from workers.io import sql
+from workers.io import db, sql
 from workers.participant import retention as participant_retention
 
 ROWS = 20_000  # settled rows per table; one in a hundred is live
@@ -356,7 +357,7 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
         "instances_pkey",
         {"holder": "plan-test", "ttl": 30, "held": False, "limit": 50},
     ),
-    # (the statements planned once are held to the same: KEYED below)
+    # (the receipts' reads planned once are held to the same: KEYED below)
 }
 
 
@@ -563,14 +564,50 @@ def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
         assert not per_row, f"{name} ({kind}) calls custody.claimed_instances() in {per_row}"
 
 
+def _placeholders(statement: str) -> str:
+    """A statement with its parameters as ``$``, as psycopg's (``%(name)s``) and as the
+    server keeps it (``$1``)."""
+    return re.sub(r"%\(\w+\)s|\$\d+", "$", statement)
+
+
 def _batch_rows(**row: Any) -> Any:
     return psycopg.types.json.Jsonb([row])
 
 
+# name -> (relation, the only index it may be read through, parameters): a batch's
+# statements that reach the rows of a growing table by their keys, planned per execution
+PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "outbox_mark_dispatched": (
+        "operations",
+        "operations_pkey",
+        {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
+    ),
+    "operation_apply": (
+        "operations",
+        "operations_pkey",
+        {"rows": _batch_rows(id=str(uuid.uuid4()), expected="pending", status="dispatched")},
+    ),
+    "node_finish": (
+        "node_states",
+        "node_states_operation",
+        {"rows": _batch_rows(operation_id=str(uuid.uuid4()), status="done")},
+    ),
+    # the committer's ends of a batch's instances: prepared on young tables it read every
+    # running instance through instances_status, or all of them (a hash join)
+    "instance_finish": (
+        "instances",
+        "instances_pkey",
+        {"rows": _batch_rows(id=str(uuid.uuid4()), status="completed")},
+    ),
+}
+
+
 # name -> (relation, the only index it may be read through, parameters): the statements
-# a unit of one item (light load) runs on rows of a growing table by their keys, beside
-# the ones planned once (KEYED): the committer's reads of the instance it claimed
+# a unit of one item (light load) runs on rows of a growing table by their keys (the
+# batch ones with a batch of one; the committer's reads of the instance it claimed)
 ONE_ITEM: dict[str, tuple[str, str, dict[str, Any]]] = {
+    name: PER_EXECUTION[name] for name in ("operation_apply", "node_finish", "instance_finish")
+} | {
     "node_activations": ("node_states", "node_states_pkey", {}),
 }
 MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after its burst
@@ -602,19 +639,19 @@ def test_a_unit_of_one_item_reaches_its_rows_by_their_keys_on_a_table_of_any_siz
     whole ``operations`` table for its one receipt (a hash join, 0.46 ms of its backend
     per receipt at 1,300 operations and growing with the table), ``node_finish`` the
     whole ``node_states`` and the committer's ``instance_finish`` the whole
-    ``instances``, on every light-load operation (those three are planned once now, by
-    their keys: ``KEYED``). The committer's reads of the instance it claimed, on a table
-    of a few thousand rows not analysed yet (a small deployment, or any deployment's
-    first hour), reach it by its key too."""
+    ``instances``, on every light-load operation. The planner takes a batch passed as
+    ``jsonb_to_recordset`` for 100 rows, and for 100 rows a full read looks cheaper than
+    100 probes of a key until the table holds some tens of thousands of rows. Told the
+    batch's true size, it reaches a batch of one by its key on a table of a few thousand
+    rows (a small deployment, or any deployment's first hour) as on a large one. The
+    committer's reads of the instance it claimed are held to the same."""
     relation, index, params = ONE_ITEM[name]
     plan = explain(middle, "custody", sql.query(name), params, claimed=_FIRST)
     _read_by_key(name, plan, relation, index)
 
 
-# The batch statements that reach the rows of growing tables by their keys, planned once
-# (queries.sql calls each a function of the same name in transitions.sql, whose settings
-# make the plan it keeps a generic one by keys): the receipt consumer's reads and writes,
-# the ends of instances, the engine's confirm mark.
+# The receipt consumer's reads planned once (queries.sql calls each a function of the same
+# name in transitions.sql, whose settings make the plan it keeps a generic one by keys):
 # name -> (parameters, what it reads: (relation, the only index it may be read through))
 KEYED: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
     "operations_lock": (
@@ -636,58 +673,30 @@ KEYED: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
         {},
         [("operations", "operations_instance_id_node_activation_key|operations_instance")],
     ),
-    # a batch's changes, each guarded by its expected status (an empty batch here: the
-    # statement runs, and a change of an operation that is not there would raise CU004)
-    "operation_apply": (
-        {"rows": psycopg.types.json.Jsonb([])},
-        [("operations", "operations_pkey")],
-    ),
-    "node_finish": (
-        {"rows": _batch_rows(operation_id=str(uuid.uuid4()), status="done")},
-        [("node_states", "node_states_operation")],
-    ),
-    # the ends of a batch's instances: prepared on young tables it read every running
-    # instance through instances_status, or all of them (a hash join)
-    "instance_finish": (
-        {"rows": _batch_rows(id=str(uuid.uuid4()), status="completed")},
-        [("instances", "instances_pkey")],
-    ),
-    # the engine's confirm mark, the confirmed submits dispatching their operations
-    "outbox_mark_dispatched": (
-        {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
-        [
-            ("outbox", "outbox_pkey"),
-            ("operations", "operations_pkey"),
-            ("attempts", "attempts_pkey|attempts_operation"),
-        ],
-    ),
 }
 
 
 def body_plan(url: str, name: str, params: dict[str, Any], claimed: str | None = None) -> Any:
-    """The plan of the statement a statement planned once runs: its function's body,
-    planned as the function plans it (its own settings), seen through auto_explain."""
+    """The plan of the statement a read planned once runs: its function's body, planned
+    as the function plans it (its own settings), seen through auto_explain."""
     plans = nested_plans(url, "custody", sql.query(name), params, claimed)
-    [body] = [p for p in plans if f"custody.{name}(" not in p["Query Text"]]
+    [body] = [p for p in plans if _body_of(name, p["Query Text"])]
     return body["Plan"]
 
 
 @pytest.mark.parametrize("name", list(KEYED))
-def test_a_statement_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
+def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
     name: str, young: str, middle: str, databases: dict[str, tuple[str, str]]
 ) -> None:
-    """The bench's burst on a new deployment found the receipts' ``operation_apply`` and
-    ``operations_lock``, the committer's ``instance_results`` and the publisher's
-    dispatch (now in ``outbox_mark_dispatched``) reading their tables in full (or every
-    pending operation) once per batch, 10 to 15 ms each and growing: plans prepared in
-    the first seconds, when a full read of a nearly empty table was the cheapest, kept
-    while the table grew. Planned for each execution instead, every receipt paid their
-    parsing and planning (a tenth of a millisecond and more of the backend's time each,
-    on every light-load operation's way). Each is now a function that plans its statement
-    once per session and keeps it, with the settings that make that plan a generic one
-    reaching every table by its keys: the same plan on the empty tables of a deployment's
-    first seconds (the one a worker would keep), on a few thousand rows not yet
-    analysed, and on a large analysed history."""
+    """The receipt consumer's reads on every receipt's way (the operations it locks, the
+    revisions it has seen, the instances it claims and their results) were planned for
+    each execution, so that a plan made while the tables were young would not be kept as
+    they grew: parsed and planned again for every receipt, a tenth of a millisecond and
+    more of the backend's time each, on every light-load operation's way. Each is now a
+    function that plans its statement once per session and keeps it, with the settings
+    that make that plan a generic one reaching every table by its keys: the same plan on
+    the empty tables of a deployment's first seconds (the one a worker would keep), on a
+    few thousand rows not yet analysed, and on a large analysed history."""
     params, reads = KEYED[name]
     urls = {"young": young, "middle": middle, "large, analysed": databases["engine"][0]}
     for kind, url in urls.items():
@@ -696,7 +705,7 @@ def test_a_statement_planned_once_reaches_its_rows_by_their_keys_on_tables_of_an
             _read_by_key(f"{name} ({kind})", plan, relation, index)
 
 
-def test_a_statement_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
+def test_a_read_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
     growing: str,
 ) -> None:
     """The plan a worker's session makes while the tables are young is the one it keeps
@@ -714,7 +723,7 @@ def test_a_statement_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
             conn.rollback()
         with psycopg.connect(growing, autocommit=True) as other:
             other.execute("SET session_replication_role = replica")  # rows without parents
-            grown = ("instances ", "operations ", "receipt_inbox ", "node_states ", "outbox ")
+            grown = ("instances ", "operations ", "receipt_inbox ")
             for statement in ENGINE_ROWS:
                 if any(f"custody.{t}" in statement for t in grown):
                     other.execute(statement)
@@ -728,28 +737,19 @@ def test_a_statement_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
         conn.rollback()
     plans = [json.loads(m[m.index("{") :]) for m in messages if "plan:" in m]
     for name, (_, reads) in KEYED.items():
-        [body] = [
-            p
-            for p in plans
-            if p["Query Text"] != sql.query(name).strip()
-            and f"custody.{name}(" not in p["Query Text"]
-            and _body_of(name, p["Query Text"])
-        ]
+        [body] = [p for p in plans if _body_of(name, p["Query Text"])]
         for relation, index in reads:
             _read_by_key(f"{name} (grown)", body["Plan"], relation, index)
 
 
 def _body_of(name: str, text: str) -> bool:
-    """Whether auto_explain's nested statement is the body of this statement's function."""
+    """Whether auto_explain's statement is the one of this function's body that reads the
+    tables (not the call of the function)."""
     marks = {
         "operations_lock": "FOR UPDATE OF o",
         "revisions_seen": "FROM custody.receipt_inbox r",
         "receipt_instances_claim": "FOR UPDATE OF i SKIP LOCKED",
         "instance_results": "SELECT o.instance_id, o.node, o.result",
-        "operation_apply": "effect = r.effect",
-        "node_finish": "UPDATE custody.node_states n",
-        "instance_finish": "UPDATE custody.instances i",
-        "outbox_mark_dispatched": "UPDATE custody.outbox b",
     }
     return marks[name] in text
 
@@ -760,10 +760,32 @@ def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
     only)."""
     every = list(nodes(plan))
     full = [n for n in every if n["Node Type"] == "Seq Scan" and n["Relation Name"] == relation]
-    used = {n["Index Name"] for n in every if n.get("Index Name", "").startswith(relation)}
+    scans = [n for n in every if n.get("Index Name", "").startswith(relation)]
+    used = {n["Index Name"] for n in scans}
     assert not full and len(used) == 1 and used <= set(index.split("|")), (
         f"{name} reads {relation} through {used or 'a full scan'}: {plan}"
     )
+    # by its keys: an index read whole (no condition) is a full read in key order
+    whole = [n["Index Name"] for n in scans if "Index Cond" not in n]
+    assert not whole, f"{name} reads all of {whole}, with no key: {plan}"
+
+
+# ``operation_apply`` raises for a change whose row is not in its expected status (an
+# operation changed under its lock): on the young database it runs for one operation,
+# left as it is (pending to pending)
+UNCHANGED = str(uuid.uuid4())
+APPLY_UNCHANGED = {
+    "id": UNCHANGED,
+    "expected": "pending",
+    "status": "pending",
+    "effect": "unknown",
+    "owner_revision": 0,
+    "receipt_hash": None,
+    "result": None,
+    "error": None,
+    "terminal": False,
+    "retry_in": None,
+}
 
 
 @pytest.fixture
@@ -772,3 +794,63 @@ def growing(templates: tuple[str, str]) -> Iterator[str]:
     then fills it."""
     with clone_database(templates[0], "custody_growing") as url:
         yield url
+
+
+async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_it_is_now(
+    growing: str,
+) -> None:
+    """The bench's burst on a new deployment found the receipts' ``operation_apply`` and
+    ``operations_lock``, the committer's ``instance_results`` and the publisher's
+    ``operations_dispatched`` (now part of ``outbox_mark_dispatched``) reading their tables
+    in full (or every pending operation) once per batch, 10 to 15 ms each and growing: plans
+    prepared in the first seconds, when a full read of a nearly empty table was the
+    cheapest, and kept while the table grew, until the next ANALYZE. These statements are
+    never prepared (the worker's own transaction, past psycopg's prepare threshold, leaves
+    no prepared statement for them, while an ordinary one is prepared), and planned for each
+    execution they reach the rows by their keys on a table that grew since it was last
+    analysed. (``operations_lock`` and ``instance_results`` are since planned once, with
+    settings that keep that plan by keys: ``KEYED``.)"""
+    with psycopg.connect(growing, autocommit=True) as conn:
+        iid = str(uuid.uuid4())
+        conn.execute(
+            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
+            " process_version, input, status, requested_by, routes) VALUES (%s, 'acme',"
+            " gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running', 'plan-test', '{}')",
+            (iid,),
+        )
+        conn.execute(
+            "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
+            " operation, route, owner, principal, binding, input, lineage, attempt, digest,"
+            " status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
+            " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
+            " 'inventory.v1', '{}', '{}', 1, 'x', 'pending', 60)",
+            (UNCHANGED, iid),
+        )
+    database = db.Database(growing, schema="custody", name="plan-test", min_size=1, max_size=1)
+    await database.open()
+    try:
+        for _ in range(8):  # past psycopg's prepare_threshold (5), one connection
+            async with database.transaction() as tx:
+                for name, (_, _, params) in PER_EXECUTION.items():
+                    await tx.run(name, APPLY_UNCHANGED if name == "operation_apply" else params)
+                await tx.rows("instances_get", {"ids": [uuid.uuid4()]})
+        async with database.transaction() as tx:
+            prepared = {
+                r["statement"]
+                for r in await tx.business("SELECT statement FROM pg_prepared_statements")
+            }
+    finally:
+        await database.close()
+    prepared = {_placeholders(p) for p in prepared}
+    assert _placeholders(sql.query("instances_get")) in prepared, "an ordinary one is"
+    kept = [n for n in PER_EXECUTION if _placeholders(sql.query(n)) in prepared]
+    assert not kept, f"prepared, so planned once for a young table: {kept}"
+
+    with psycopg.connect(growing, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")  # rows without their parents
+        grown = ("instances ", "operations ", "receipt_inbox ", "node_states ")
+        for statement in ENGINE_ROWS:
+            if any(f"custody.{t}" in statement for t in grown):
+                conn.execute(statement)
+    for name, (relation, index, params) in PER_EXECUTION.items():
+        _read_by_key(name, explain(growing, "custody", sql.query(name), params), relation, index)
