@@ -686,7 +686,7 @@ def body_plan(url: str, name: str, params: dict[str, Any], claimed: str | None =
 
 @pytest.mark.parametrize("name", list(KEYED))
 def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
-    name: str, young: str, middle: str, databases: dict[str, tuple[str, str]]
+    name: str, young: str, middle: str, stale: str, databases: dict[str, tuple[str, str]]
 ) -> None:
     """The receipt consumer's reads on every receipt's way (the operations it locks, the
     revisions it has seen, the instances it claims and their results) were planned for
@@ -698,7 +698,12 @@ def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_siz
     the empty tables of a deployment's first seconds (the one a worker would keep), on a
     few thousand rows not yet analysed, and on a large analysed history."""
     params, reads = KEYED[name]
-    urls = {"young": young, "middle": middle, "large, analysed": databases["engine"][0]}
+    urls = {
+        "young": young,
+        "middle": middle,
+        "large, analysed": databases["engine"][0],
+        "stale statistics": stale,
+    }
     for kind, url in urls.items():
         plan = body_plan(url, name, params, claimed=_FIRST)
         for relation, index in reads:
