@@ -173,8 +173,9 @@ END $$;
 
 -- Reads planned once, by their keys ------------------------------------------------------
 -- The receipt consumer's reads (queries.sql calls each by the same name), planned once per
--- session and kept: a PL/pgSQL function keeps the plan of its statement, and these
--- settings, in force while it runs and only then, make it a generic plan that reaches
+-- session and kept: a PL/pgSQL function keeps the plan of its statement, and their
+-- settings (given to the four at once, after them), in force while one runs and only
+-- then, make it a generic plan that reaches
 -- every table by its keys, whatever the table's size or statistics when it is made (a
 -- plan that a worker prepared while the tables were young and kept as they grew read
 -- them in full: test_query_plans.py). As plain statements they were planned for each
@@ -198,8 +199,6 @@ RETURNS TABLE (id uuid, tenant text, instance_id uuid, node text, owner text,
                process text, process_version integer, created_at timestamptz,
                instance_status text)
 LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
 AS $$
 BEGIN
   RETURN QUERY
@@ -217,8 +216,6 @@ CREATE OR REPLACE FUNCTION custody.revisions_seen(
   p_operation uuid[], p_attempt integer[], p_revision integer[])
 RETURNS TABLE (operation_id text, attempt integer, owner_revision integer, content_hash text)
 LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
 AS $$
 BEGIN
   RETURN QUERY
@@ -239,8 +236,6 @@ CREATE OR REPLACE FUNCTION custody.receipt_instances_claim(p_ids uuid[])
 RETURNS TABLE (instance_id uuid, tenant text, instance_status text, process text,
                process_version integer, input jsonb, traceparent text, routes jsonb)
 LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
 AS $$
 BEGIN
   RETURN QUERY
@@ -272,8 +267,6 @@ END $$;
 CREATE OR REPLACE FUNCTION custody.instance_results()
 RETURNS TABLE (instance_id uuid, node text, result jsonb)
 LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
 AS $$
 BEGIN
   RETURN QUERY
@@ -281,6 +274,23 @@ BEGIN
    WHERE o.instance_id = ANY((SELECT custody.claimed_instances())::uuid[])
      AND o.status = 'succeeded'
    ORDER BY o.instance_id, o.node, o.activation;
+END $$;
+
+-- The four's settings, in one place (CREATE OR REPLACE above clears a function's own):
+-- generic plans, reaching every table by its keys.
+DO $$
+DECLARE f regprocedure;
+BEGIN
+  FOREACH f IN ARRAY ARRAY['custody.operations_lock(uuid[])',
+                           'custody.revisions_seen(uuid[], integer[], integer[])',
+                           'custody.receipt_instances_claim(uuid[])',
+                           'custody.instance_results()']::regprocedure[] LOOP
+    EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan', f);
+    EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off', f);
+    EXECUTE format('ALTER FUNCTION %s SET enable_hashjoin = off', f);
+    EXECUTE format('ALTER FUNCTION %s SET enable_mergejoin = off', f);
+    EXECUTE format('ALTER FUNCTION %s SET jit = off', f);
+  END LOOP;
 END $$;
 
 -- Retire the pending submits that must never be sent (of one operation, or all): the

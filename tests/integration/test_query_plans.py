@@ -696,7 +696,8 @@ def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_siz
     function that plans its statement once per session and keeps it, with the settings
     that make that plan a generic one reaching every table by its keys: the same plan on
     the empty tables of a deployment's first seconds (the one a worker would keep), on a
-    few thousand rows not yet analysed, and on a large analysed history."""
+    few thousand rows not yet analysed, on a large analysed history, and on statistics
+    taken while the operations were open."""
     params, reads = KEYED[name]
     urls = {
         "young": young,
