@@ -175,10 +175,9 @@ END $$;
 -- The receipt consumer's reads (queries.sql calls each by the same name), planned once per
 -- session and kept: a PL/pgSQL function keeps the plan of its statement, and their
 -- settings (given to the four at once, after them), in force while one runs and only
--- then, make it a generic plan that reaches
--- every table by its keys, whatever the table's size or statistics when it is made (a
--- plan that a worker prepared while the tables were young and kept as they grew read
--- them in full: test_query_plans.py). As plain statements they were planned for each
+-- then, make it a generic plan that reaches every table by its keys, whatever the
+-- table's size or statistics when it is made (a plan that a worker prepared while the
+-- tables were young and kept as they grew read them in full: test_query_plans.py). As plain statements they were planned for each
 -- execution instead, so as to see the tables as they are: a tenth of a millisecond and
 -- more of the backend's time per statement, on every receipt's way at light load.
 -- Only reads: a batch's writes join a jsonb set of its rows to their table, and a generic
@@ -285,11 +284,9 @@ BEGIN
                            'custody.revisions_seen(uuid[], integer[], integer[])',
                            'custody.receipt_instances_claim(uuid[])',
                            'custody.instance_results()']::regprocedure[] LOOP
-    EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan', f);
-    EXECUTE format('ALTER FUNCTION %s SET enable_seqscan = off', f);
-    EXECUTE format('ALTER FUNCTION %s SET enable_hashjoin = off', f);
-    EXECUTE format('ALTER FUNCTION %s SET enable_mergejoin = off', f);
-    EXECUTE format('ALTER FUNCTION %s SET jit = off', f);
+    EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan'
+                   ' SET enable_seqscan = off SET enable_hashjoin = off'
+                   ' SET enable_mergejoin = off SET jit = off', f);
   END LOOP;
 END $$;
 

@@ -322,14 +322,25 @@ def nested_plans(
         conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
         if claimed is not None:
             conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [claimed])
-        conn.execute("LOAD 'auto_explain'")
-        conn.execute("SET auto_explain.log_min_duration = 0")
-        conn.execute("SET auto_explain.log_nested_statements = on")
-        conn.execute("SET auto_explain.log_format = 'json'")
-        conn.execute("SET auto_explain.log_level = 'notice'")
+        _explain_nested(conn)
         psycopg.ClientCursor(conn).execute(statement, params)
         conn.rollback()
-    return [json.loads(m[m.index("{") :]) for m in messages if "plan:" in m]
+    return _plans(messages)
+
+
+def _explain_nested(conn: psycopg.Connection[Any]) -> None:
+    """From now on this session reports the plan of every statement it runs, the ones in
+    function bodies included, as a notice (auto_explain)."""
+    conn.execute("LOAD 'auto_explain'")
+    conn.execute("SET auto_explain.log_min_duration = 0")
+    conn.execute("SET auto_explain.log_nested_statements = on")
+    conn.execute("SET auto_explain.log_format = 'json'")
+    conn.execute("SET auto_explain.log_level = 'notice'")
+
+
+def _plans(notices: list[str]) -> list[dict[str, Any]]:
+    """The plans auto_explain reported among a session's notices."""
+    return [json.loads(m[m.index("{") :]) for m in notices if "plan:" in m]
 
 
 def test_the_archival_reaches_finished_instances_through_their_index(
@@ -733,15 +744,11 @@ def test_a_read_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
             for statement in ENGINE_ROWS:
                 if any(f"custody.{t}" in statement for t in grown):
                     other.execute(statement)
-        conn.execute("LOAD 'auto_explain'")
-        conn.execute("SET auto_explain.log_min_duration = 0")
-        conn.execute("SET auto_explain.log_nested_statements = on")
-        conn.execute("SET auto_explain.log_format = 'json'")
-        conn.execute("SET auto_explain.log_level = 'notice'")
+        _explain_nested(conn)
         for name, (params, _) in KEYED.items():
             conn.execute(sql.query(name), params, prepare=True)
         conn.rollback()
-    plans = [json.loads(m[m.index("{") :]) for m in messages if "plan:" in m]
+    plans = _plans(messages)
     for name, (_, reads) in KEYED.items():
         [body] = [p for p in plans if _body_of(name, p["Query Text"])]
         for relation, index in reads:
