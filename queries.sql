@@ -200,32 +200,10 @@ UPDATE successor_intents SET status = 'done', done_at = now()
  WHERE id = ANY(%(ids)s) AND status = 'pending';
 
 -- name: instance_finish
--- planned per execution: a batch's rows of a growing table by their keys
--- A batch's ends in one statement, each only from running; returns the instances ended
--- (the batch LIMITed to its length, as in operation_apply). An end given its `history`
--- row writes it here, in the batch's order, only if it did end the instance: a unit
--- that writes nothing after its ends need not wait for which ones they were.
--- The status as text: the instances by their key, never every running one through
--- instances_status (see instance_suspend_for).
-WITH r AS (
-  SELECT * FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
-                           AS (id uuid, status custody.instance_status, history jsonb))
-                WITH ORDINALITY AS r(id, status, history, n)
-   LIMIT jsonb_array_length(%(rows)s)
-), ended AS (
-  UPDATE instances i SET status = r.status, finished_at = now(), updated_at = now()
-    FROM r
-   WHERE i.id = r.id AND i.status::text = 'running'
-  RETURNING i.id
-), logged AS (
-  INSERT INTO history (instance_id, operation_id, event, detail, actor)
-  SELECT r.id, (r.history->>'operation_id')::uuid, r.history->>'event',
-         coalesce(r.history->'detail', '{}'), r.history->>'actor'
-    FROM r JOIN ended ON ended.id = r.id
-   WHERE r.history IS NOT NULL
-   ORDER BY r.n
-)
-SELECT id FROM ended;
+-- planned once, by its keys (custody.instance_finish in transitions.sql, a row at a time):
+-- a batch's ends, each only from running, with the history row of each end given one;
+-- returns the instances ended
+SELECT id FROM custody.instance_finish(%(rows)s) AS ended(id);
 
 -- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
 
@@ -291,36 +269,11 @@ SELECT count(*) FILTER (WHERE NOT held) AS pending,
   FROM outbox_pending_rows;
 
 -- name: outbox_mark_dispatched
--- planned per execution: a batch's rows of a growing table by their keys
--- The engine's confirm mark, in one statement: the confirmed rows that this publisher's
--- claim holds are marked published, and each confirmed submit among them dispatches its
--- operation, with one history row per operation it moved. The confirm mark never moves
--- an operation backward; the deadline clock starts here. Only a submit's confirm
--- dispatches (a query's or a cancel's confirm is not progress), and only the submit of
--- the operation's current attempt: a late confirm of attempt n's submit does not
--- dispatch attempt n+1, whose own submit may not have been sent. Operations by primary
--- key. Returns how many rows it marked.
-WITH marked AS (
-  UPDATE outbox
-     SET status = 'published', published_at = now(), claimed_by = NULL,
-         claim_expires_at = NULL, last_error = NULL
-   WHERE id = ANY(%(ids)s) AND claimed_by = %(holder)s AND status = 'pending'
-  RETURNING id, kind, operation_id
-), moved AS (
-  UPDATE operations o
-     SET status = 'dispatched', updated_at = now(),
-         deadline_at = coalesce(deadline_at, now() + make_interval(secs => deadline_seconds))
-    FROM marked m
-   WHERE m.kind = 'submit' AND o.id = m.operation_id AND o.status = 'pending'
-     AND EXISTS (SELECT 1 FROM attempts a
-                  WHERE a.request_id = m.id AND a.kind = 'submit'
-                    AND a.operation_id = o.id AND a.attempt = o.attempt)
-  RETURNING o.id, o.instance_id
-), logged AS (
-  INSERT INTO history (instance_id, operation_id, event, detail, actor)
-  SELECT instance_id, id, 'operation.dispatched', '{}', %(actor)s FROM moved ORDER BY id
-)
-SELECT count(*)::int AS marked FROM marked;
+-- planned once, by its keys (custody.outbox_mark_dispatched in transitions.sql, a row at
+-- a time): the engine's confirm mark, the rows this publisher's claim holds marked
+-- published and the current attempt's confirmed submits dispatching their operations;
+-- returns how many rows it marked
+SELECT custody.outbox_mark_dispatched(%(ids)s::uuid[], %(holder)s, %(actor)s) AS marked;
 
 -- Receipt consumer: a batch of receipts and cancellations applied in one transaction ------
 
@@ -354,44 +307,16 @@ SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.co
 ON CONFLICT (receipt_id) DO NOTHING;
 
 -- name: operation_apply
--- planned per execution: a batch's rows of a growing table by their keys
--- One statement for the batch's changes, each operation at most once (the caller folds
--- an operation's changes in one batch into one: records.fold_updates), each guarded by
--- the status it was judged from: a row count below the changes' is a row changed under
--- its lock, raised here (CU004, the unit is redone) so that the caller need not wait for
--- the count. By primary key (a nested loop over the batch's rows).
--- The batch is LIMITed to its own length: the planner takes jsonb_to_recordset for 100
--- rows, and for 100 rows a full read of a table of a few thousand looks cheaper than
--- 100 probes of its key, so a light-load unit's batch of one read the whole table (the
--- bench's light phase: 0.46 ms of the backend per receipt at 1,300 operations, growing
--- with the table). Planned per execution, the LIMIT is the batch's true size
--- (test_query_plans.py::test_a_unit_of_one_item_reaches_its_rows_by_their_keys_…).
-WITH applied AS (
-UPDATE operations o
-   SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
-       receipt_hash = r.receipt_hash, result = coalesce(r.result, o.result),
-       error = coalesce(r.error, o.error), updated_at = now(),
-       deadline_at = coalesce(o.deadline_at, now() + make_interval(secs => o.deadline_seconds)),
-       retry_at = now() + make_interval(secs => r.retry_in),
-       finished_at = CASE WHEN r.terminal THEN now() END
-  FROM (SELECT * FROM jsonb_to_recordset(%(rows)s)
-          AS r(id uuid, expected custody.operation_status, status custody.operation_status,
-               effect custody.effect, owner_revision integer, receipt_hash text,
-               result jsonb, error jsonb, terminal boolean, retry_in double precision)
-         LIMIT jsonb_array_length(%(rows)s)) r
- WHERE o.id = r.id AND o.status = r.expected
-RETURNING o.id)
-SELECT custody.changed_under_lock('an operation of the batch')
- WHERE (SELECT count(*) FROM applied) <> jsonb_array_length(%(rows)s);
+-- planned once, by its keys (custody.operation_apply in transitions.sql, a row at a time):
+-- the batch's changes, each operation at most once (records.fold_updates), each guarded
+-- by the status it was judged from; a row changed under its lock fails the call (CU004,
+-- the unit is redone), so that the caller need not wait for a row count
+SELECT custody.operation_apply(%(rows)s);
 
 -- name: node_finish
--- planned per execution: a batch's rows of a growing table by their keys
--- The batch's finished nodes, in one statement; the batch LIMITed to its length, as in
--- operation_apply.
-UPDATE node_states n SET status = r.status, updated_at = now()
-  FROM (SELECT * FROM jsonb_to_recordset(%(rows)s) AS r(operation_id uuid, status text)
-         LIMIT jsonb_array_length(%(rows)s)) r
- WHERE n.operation_id = r.operation_id AND n.status = 'active';
+-- planned once, by its keys (custody.node_finish in transitions.sql, a row at a time): the
+-- batch's finished nodes
+SELECT custody.node_finish(%(rows)s);
 
 -- name: successor_insert
 -- A batch's successor intents; one the receipt consumer activated in this transaction

@@ -275,6 +275,128 @@ BEGIN
    ORDER BY o.instance_id, o.node, o.activation;
 END $$;
 
+-- Writes planned once, one row at a time --------------------------------------------------
+-- The batch writes on a receipt's way, the ends of instances and the engine's confirm mark
+-- (queries.sql calls each by the same name): each row of the batch is written by its own
+-- execution of a statement that names its key (a primary key, or node_states_operation),
+-- planned once per session with the settings below. A statement joined to the whole batch
+-- (a jsonb set) would have to be planned for each execution instead (its generic plan,
+-- made on young tables, read the table whole: an index with no key, a nested loop over the
+-- batch's 200 rows; 76 and 176 ms a statement in a burst): a tenth to half a millisecond
+-- of planning for every light-load receipt, on its way, for a burst's batch of 200 about a
+-- millisecond less than these loops (test_query_plans.py; docs/performance.md).
+
+-- A batch's operation changes (each operation at most once: records.fold_updates), each
+-- guarded by the status it was judged from: a change whose row is no longer in that status
+-- (changed under its lock) fails the whole call (CU004, the unit is redone), so that the
+-- caller need not wait for a row count.
+CREATE OR REPLACE FUNCTION custody.operation_apply(p_rows jsonb) RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE
+  r record;
+  v_changed integer;
+BEGIN
+  FOR r IN SELECT * FROM jsonb_to_recordset(p_rows)
+           AS x(id uuid, expected custody.operation_status, status custody.operation_status,
+                effect custody.effect, owner_revision integer, receipt_hash text,
+                result jsonb, error jsonb, terminal boolean, retry_in double precision) LOOP
+    UPDATE custody.operations o
+       SET status = r.status, effect = r.effect, owner_revision = r.owner_revision,
+           receipt_hash = r.receipt_hash, result = coalesce(r.result, o.result),
+           error = coalesce(r.error, o.error), updated_at = now(),
+           deadline_at = coalesce(o.deadline_at,
+                                  now() + make_interval(secs => o.deadline_seconds)),
+           retry_at = now() + make_interval(secs => r.retry_in),
+           finished_at = CASE WHEN r.terminal THEN now() END
+     WHERE o.id = r.id AND o.status::text = r.expected::text;
+    GET DIAGNOSTICS v_changed = ROW_COUNT;
+    IF v_changed <> 1 THEN
+      PERFORM custody.changed_under_lock('an operation of the batch');
+    END IF;
+  END LOOP;
+END $$;
+
+-- A batch's finished nodes (an operation's node, while it is active).
+CREATE OR REPLACE FUNCTION custody.node_finish(p_rows jsonb) RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE r record;
+BEGIN
+  FOR r IN SELECT * FROM jsonb_to_recordset(p_rows) AS x(operation_id uuid, status text) LOOP
+    UPDATE custody.node_states n SET status = r.status, updated_at = now()
+     WHERE n.operation_id = r.operation_id AND n.status = 'active';
+  END LOOP;
+END $$;
+
+-- A batch's ends, each only from running, in the batch's order; returns the instances
+-- ended. An end given its history row writes it here, only if it did end the instance: a
+-- unit that writes nothing after its ends need not wait for which ones they were. The
+-- status as text: the instance by its key, never every running one through
+-- instances_status (see instance_suspend_for in queries.sql).
+CREATE OR REPLACE FUNCTION custody.instance_finish(p_rows jsonb) RETURNS SETOF uuid
+LANGUAGE plpgsql
+AS $$
+DECLARE r record;
+BEGIN
+  FOR r IN SELECT * FROM jsonb_to_recordset(p_rows)
+           AS x(id uuid, status custody.instance_status, history jsonb) LOOP
+    UPDATE custody.instances i SET status = r.status, finished_at = now(), updated_at = now()
+     WHERE i.id = r.id AND i.status::text = 'running';
+    CONTINUE WHEN NOT FOUND;
+    IF r.history IS NOT NULL THEN
+      INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
+      VALUES (r.id, (r.history->>'operation_id')::uuid, r.history->>'event',
+              coalesce(r.history->'detail', '{}'), r.history->>'actor');
+    END IF;
+    RETURN NEXT r.id;
+  END LOOP;
+END $$;
+
+-- The engine's confirm mark: the confirmed rows that this publisher's claim holds are
+-- marked published, and each confirmed submit among them dispatches its operation, in the
+-- operations' key order, with one history row per operation it moved. The confirm mark
+-- never moves an operation backward; the deadline clock starts here. Only a submit's
+-- confirm dispatches (a query's or a cancel's confirm is not progress), and only the submit
+-- of the operation's current attempt: a late confirm of attempt n's submit does not
+-- dispatch attempt n+1, whose own submit may not have been sent. Returns how many rows it
+-- marked.
+CREATE OR REPLACE FUNCTION custody.outbox_mark_dispatched(
+  p_ids uuid[], p_holder text, p_actor text) RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+  r record;
+  v_marked integer := 0;
+  v_instance uuid;
+BEGIN
+  FOR r IN SELECT b.id, b.kind, b.operation_id FROM custody.outbox b
+            WHERE b.id = ANY(p_ids) ORDER BY b.operation_id, b.id LOOP
+    -- lower(): the row by its key, never every pending one through outbox_pending, whose
+    -- predicate (status = 'pending') a plain comparison would prove
+    UPDATE custody.outbox b
+       SET status = 'published', published_at = now(), claimed_by = NULL,
+           claim_expires_at = NULL, last_error = NULL
+     WHERE b.id = r.id AND b.claimed_by = p_holder AND lower(b.status) = 'pending';
+    CONTINUE WHEN NOT FOUND;
+    v_marked := v_marked + 1;
+    CONTINUE WHEN r.kind <> 'submit';
+    UPDATE custody.operations o
+       SET status = 'dispatched', updated_at = now(),
+           deadline_at = coalesce(o.deadline_at,
+                                  now() + make_interval(secs => o.deadline_seconds))
+     WHERE o.id = r.operation_id AND o.status::text = 'pending'
+       AND EXISTS (SELECT 1 FROM custody.attempts a
+                    WHERE a.request_id = r.id AND a.kind = 'submit'
+                      AND a.operation_id = o.id AND a.attempt = o.attempt)
+    RETURNING o.instance_id INTO v_instance;
+    CONTINUE WHEN NOT FOUND;
+    INSERT INTO custody.history (instance_id, operation_id, event, detail, actor)
+    VALUES (v_instance, r.operation_id, 'operation.dispatched', '{}', p_actor);
+  END LOOP;
+  RETURN v_marked;
+END $$;
+
 -- The four's settings, in one place (CREATE OR REPLACE above clears a function's own):
 -- generic plans, reaching every table by its keys.
 DO $$
@@ -283,7 +405,10 @@ BEGIN
   FOREACH f IN ARRAY ARRAY['custody.operations_lock(uuid[])',
                            'custody.revisions_seen(uuid[], integer[], integer[])',
                            'custody.receipt_instances_claim(uuid[])',
-                           'custody.instance_results()']::regprocedure[] LOOP
+                           'custody.instance_results()',
+                           'custody.operation_apply(jsonb)', 'custody.node_finish(jsonb)',
+                           'custody.instance_finish(jsonb)',
+                           'custody.outbox_mark_dispatched(uuid[], text, text)']::regprocedure[] LOOP
     EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan'
                    ' SET enable_seqscan = off SET enable_hashjoin = off'
                    ' SET enable_mergejoin = off SET jit = off', f);
@@ -928,6 +1053,11 @@ GRANT EXECUTE ON FUNCTION custody.operations_lock(uuid[]),
   custody.revisions_seen(uuid[], integer[], integer[]), custody.receipt_instances_claim(uuid[])
   TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.instance_results() TO custody_committer, custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.operation_apply(jsonb), custody.node_finish(jsonb)
+  TO custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.instance_finish(jsonb) TO custody_committer, custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.outbox_mark_dispatched(uuid[], text, text)
+  TO custody_committer, custody_receipts, custody_publisher;
 GRANT EXECUTE ON FUNCTION custody.visible_tenants() TO custody_operators;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA custody TO custody_definer;
 

@@ -12,9 +12,9 @@ name through ``workers.io.sql``; ``EXPLAIN`` (without ``ANALYZE``) executes noth
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, LiteralString
 
 import psycopg
@@ -25,7 +25,7 @@ from psycopg import sql as pg_sql
 from tests.conftest import clone_database
 from workers import provision
 from workers.engine import retention as engine_retention
-from workers.io import db, sql
+from workers.io import sql
 from workers.participant import retention as participant_retention
 
 ROWS = 20_000  # settled rows per table; one in a hundred is live
@@ -312,16 +312,19 @@ def nested_plans(
     statement: LiteralString,
     params: dict[str, Any],
     claimed: str | None = None,
+    setup: tuple[LiteralString, ...] = (),
 ) -> list[dict[str, Any]]:
     """The plans of every statement a call runs, the function bodies' included
     (auto_explain, reported to this session), in a transaction rolled back; ``claimed``:
-    as in :func:`explain`."""
+    as in :func:`explain`; ``setup``: statements run first in that transaction."""
     messages: list[str] = []
     with psycopg.connect(url) as conn:
         conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
         conn.execute(pg_sql.SQL("SET search_path = {}").format(pg_sql.Identifier(schema)))
         if claimed is not None:
             conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [claimed])
+        for statement_first in setup:
+            conn.execute(statement_first)
         _explain_nested(conn)
         psycopg.ClientCursor(conn).execute(statement, params)
         conn.rollback()
@@ -575,50 +578,14 @@ def test_the_claimed_instances_are_read_once_per_statement_never_per_row(
         assert not per_row, f"{name} ({kind}) calls custody.claimed_instances() in {per_row}"
 
 
-def _placeholders(statement: str) -> str:
-    """A statement with its parameters as ``$``, as psycopg's (``%(name)s``) and as the
-    server keeps it (``$1``)."""
-    return re.sub(r"%\(\w+\)s|\$\d+", "$", statement)
-
-
 def _batch_rows(**row: Any) -> Any:
     return psycopg.types.json.Jsonb([row])
 
 
-# name -> (relation, the only index it may be read through, parameters): a batch's
-# statements that reach the rows of a growing table by their keys, planned per execution
-PER_EXECUTION: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "outbox_mark_dispatched": (
-        "operations",
-        "operations_pkey",
-        {"ids": [uuid.uuid4()], "holder": "plan-test", "actor": "publisher"},
-    ),
-    "operation_apply": (
-        "operations",
-        "operations_pkey",
-        {"rows": _batch_rows(id=str(uuid.uuid4()), expected="pending", status="dispatched")},
-    ),
-    "node_finish": (
-        "node_states",
-        "node_states_operation",
-        {"rows": _batch_rows(operation_id=str(uuid.uuid4()), status="done")},
-    ),
-    # the committer's ends of a batch's instances: prepared on young tables it read every
-    # running instance through instances_status, or all of them (a hash join)
-    "instance_finish": (
-        "instances",
-        "instances_pkey",
-        {"rows": _batch_rows(id=str(uuid.uuid4()), status="completed")},
-    ),
-}
-
-
 # name -> (relation, the only index it may be read through, parameters): the statements
-# a unit of one item (light load) runs on rows of a growing table by their keys (the
-# batch ones with a batch of one; the committer's reads of the instance it claimed)
+# a unit of one item (light load) runs on rows of a growing table by their keys, beside
+# the ones planned once (KEYED): the committer's reads of the instance it claimed
 ONE_ITEM: dict[str, tuple[str, str, dict[str, Any]]] = {
-    name: PER_EXECUTION[name] for name in ("operation_apply", "node_finish", "instance_finish")
-} | {
     "node_activations": ("node_states", "node_states_pkey", {}),
 }
 MIDDLE_ROWS = 5_000  # rows per table: a small deployment, or the bench after its burst
@@ -650,66 +617,177 @@ def test_a_unit_of_one_item_reaches_its_rows_by_their_keys_on_a_table_of_any_siz
     whole ``operations`` table for its one receipt (a hash join, 0.46 ms of its backend
     per receipt at 1,300 operations and growing with the table), ``node_finish`` the
     whole ``node_states`` and the committer's ``instance_finish`` the whole
-    ``instances``, on every light-load operation. The planner takes a batch passed as
-    ``jsonb_to_recordset`` for 100 rows, and for 100 rows a full read looks cheaper than
-    100 probes of a key until the table holds some tens of thousands of rows. Told the
-    batch's true size, it reaches a batch of one by its key on a table of a few thousand
-    rows (a small deployment, or any deployment's first hour) as on a large one. The
-    committer's reads of the instance it claimed are held to the same."""
+    ``instances``, on every light-load operation (those three are planned once now, a
+    row at a time by its key: ``KEYED``). The committer's reads of the instance it
+    claimed, on a table of a few thousand rows not analysed yet (a small deployment, or
+    any deployment's first hour), reach it by its key too."""
     relation, index, params = ONE_ITEM[name]
     plan = explain(middle, "custody", sql.query(name), params, claimed=_FIRST)
     _read_by_key(name, plan, relation, index)
 
 
-# The receipt consumer's reads planned once (queries.sql calls each a function of the same
-# name in transitions.sql, whose settings make the plan it keeps a generic one by keys):
-# name -> (parameters, what it reads: (relation, the only index it may be read through))
-KEYED: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
-    "operations_lock": (
+# The rows a write planned once changes, made in the transaction that calls it (rolled
+# back): a loop's statements run, and so are planned and shown, only for rows that are
+# there. Outside ENGINE_ROWS's keys; without their parents' checks (the plans are the
+# point, not the transitions).
+_INSTANCE = "0000000a-0000-0000-0000-000000000001"
+_OPERATION = "0000000b-0000-0000-0000-000000000001"
+_REQUEST = "0000000c-0000-0000-0000-000000000001"
+WRITTEN_ROWS: tuple[LiteralString, ...] = (
+    "SET LOCAL session_replication_role = replica",
+    "INSERT INTO custody.instances (id, tenant, start_request_id, process, process_version,"
+    f" input, status, requested_by, routes) VALUES ('{_INSTANCE}', 'acme',"
+    " gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running', 'plan-test', '{}')",
+    "INSERT INTO custody.operations (id, tenant, instance_id, node, activation, operation,"
+    " route, owner, principal, binding, input, lineage, attempt, digest, status,"
+    f" deadline_seconds) VALUES ('{_OPERATION}', 'acme', '{_INSTANCE}', 'n', 1,"
+    " 'inventory.reserve', 'r', 'inventory', 'custody-inventory', 'b', '{}', '{}', 1, 'x',"
+    " 'pending', 60)",
+    "INSERT INTO custody.attempts (request_id, operation_id, attempt, kind, digest)"
+    f" VALUES ('{_REQUEST}', '{_OPERATION}', 1, 'submit', 'x')",
+    "INSERT INTO custody.outbox (id, kind, exchange, routing_key, body, operation_id,"
+    f" status, claimed_by) VALUES ('{_REQUEST}', 'submit', 'custody.commands', 'inventory',"
+    f" '\\x00', '{_OPERATION}', 'pending', 'plan-test')",
+    "INSERT INTO custody.node_states (instance_id, node, activation, operation_id, status)"
+    f" VALUES ('{_INSTANCE}', 'n', 1, '{_OPERATION}', 'active')",
+)
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A statement planned once (queries.sql calls a function of its name in
+    transitions.sql, whose settings make the plans it keeps generic ones by keys): its
+    parameters, and what each statement of its function's body reads, as
+    (a piece of that statement's text, relation, the only index it may be read
+    through); ``writes``: it changes the rows of WRITTEN_ROWS."""
+
+    params: dict[str, Any]
+    reads: list[tuple[str, str, str]]
+    writes: bool = False
+
+    @property
+    def setup(self) -> tuple[LiteralString, ...]:
+        return WRITTEN_ROWS if self.writes else ()
+
+
+# The receipt consumer's reads and writes, the ends of instances and the engine's confirm
+# mark: name -> what its function reads, and through which index
+KEYED: dict[str, Keyed] = {
+    "operations_lock": Keyed(
         {"ids": [uuid.uuid4()]},
-        [("operations", "operations_pkey"), ("instances", "instances_pkey")],
+        [
+            ("FOR UPDATE OF o", "operations", "operations_pkey"),
+            ("FOR UPDATE OF o", "instances", "instances_pkey"),
+        ],
     ),
-    "revisions_seen": (
+    "revisions_seen": Keyed(
         {"operation_id": [uuid.uuid4()], "attempt": [1], "owner_revision": [2]},
-        [("receipt_inbox", "receipt_inbox_revision")],
+        [("FROM custody.receipt_inbox r", "receipt_inbox", "receipt_inbox_revision")],
     ),
     # the instances of a receipt batch's operations, locked where free
-    "receipt_instances_claim": (
+    "receipt_instances_claim": Keyed(
         {"ids": [uuid.uuid4()]},
-        [("operations", "operations_pkey"), ("instances", "instances_pkey")],
+        [
+            ("FOR UPDATE OF i SKIP LOCKED", "operations", "operations_pkey"),
+            ("FOR UPDATE OF i SKIP LOCKED", "instances", "instances_pkey"),
+        ],
     ),
     # the instances claimed in the transaction (custody.claimed_instances): by an index on
     # the instance (the key (instance, node, activation) also gives the rows in order)
-    "instance_results": (
+    "instance_results": Keyed(
         {},
-        [("operations", "operations_instance_id_node_activation_key|operations_instance")],
+        [
+            (
+                "SELECT o.instance_id, o.node, o.result",
+                "operations",
+                "operations_instance_id_node_activation_key|operations_instance",
+            )
+        ],
+    ),
+    # a batch's changes, each guarded by the status it was judged from
+    "operation_apply": Keyed(
+        {
+            "rows": _batch_rows(
+                id=_OPERATION,
+                expected="pending",
+                status="dispatched",
+                effect="unknown",
+                owner_revision=0,
+                terminal=False,
+            )
+        },
+        [("UPDATE custody.operations o", "operations", "operations_pkey")],
+        writes=True,
+    ),
+    "node_finish": Keyed(
+        {"rows": _batch_rows(operation_id=_OPERATION, status="done")},
+        [("UPDATE custody.node_states n", "node_states", "node_states_operation")],
+        writes=True,
+    ),
+    # the ends of a batch's instances: prepared on young tables as one statement, it read
+    # every running instance through instances_status, or all of them (a hash join)
+    "instance_finish": Keyed(
+        {
+            "rows": _batch_rows(
+                id=_INSTANCE,
+                status="completed",
+                history={"event": "instance.completed", "actor": "committer"},
+            )
+        },
+        [("UPDATE custody.instances i", "instances", "instances_pkey")],
+        writes=True,
+    ),
+    # the engine's confirm mark, the confirmed submit dispatching its operation
+    "outbox_mark_dispatched": Keyed(
+        {"ids": [_REQUEST], "holder": "plan-test", "actor": "publisher"},
+        [
+            ("FROM custody.outbox b", "outbox", "outbox_pkey"),
+            ("UPDATE custody.outbox b", "outbox", "outbox_pkey"),
+            ("UPDATE custody.operations o", "operations", "operations_pkey"),
+            ("UPDATE custody.operations o", "attempts", "attempts_pkey|attempts_operation"),
+        ],
+        writes=True,
     ),
 }
 
 
+def _check_keyed(name: str, plans: list[dict[str, Any]], seen: str) -> None:
+    """Each statement of the function's body reads what KEYED says, by its keys (``seen``:
+    on which tables, for the message)."""
+    for mark, relation, index in KEYED[name].reads:
+        found = [p["Plan"] for p in plans if mark in p["Query Text"]]
+        assert found, f"{name} ({seen}): no plan of its statement {mark!r} among {plans}"
+        for plan in found:
+            _read_by_key(f"{name} ({seen})", plan, relation, index)
+
+
 def body_plan(url: str, name: str, params: dict[str, Any], claimed: str | None = None) -> Any:
-    """The plan of the statement a read planned once runs: its function's body, planned
-    as the function plans it (its own settings), seen through auto_explain."""
+    """The plan of the (first) statement of a function planned once that KEYED names,
+    planned as the function plans it (its own settings), seen through auto_explain."""
+    mark = KEYED[name].reads[0][0]
     plans = nested_plans(url, "custody", sql.query(name), params, claimed)
-    [body] = [p for p in plans if _body_of(name, p["Query Text"])]
+    [body] = [p for p in plans if mark in p["Query Text"]]
     return body["Plan"]
 
 
 @pytest.mark.parametrize("name", list(KEYED))
-def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
+def test_a_statement_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_size(
     name: str, young: str, middle: str, stale: str, databases: dict[str, tuple[str, str]]
 ) -> None:
-    """The receipt consumer's reads on every receipt's way (the operations it locks, the
-    revisions it has seen, the instances it claims and their results) were planned for
-    each execution, so that a plan made while the tables were young would not be kept as
-    they grew: parsed and planned again for every receipt, a tenth of a millisecond and
-    more of the backend's time each, on every light-load operation's way. Each is now a
-    function that plans its statement once per session and keeps it, with the settings
-    that make that plan a generic one reaching every table by its keys: the same plan on
-    the empty tables of a deployment's first seconds (the one a worker would keep), on a
-    few thousand rows not yet analysed, on a large analysed history, and on statistics
-    taken while the operations were open."""
-    params, reads = KEYED[name]
+    """The receipt consumer's reads and writes on every receipt's way (the operations it
+    locks, the revisions it has seen, the instances it claims and their results; the
+    operations it changes, their nodes, the instances it ends) and the engine's confirm
+    mark were planned for each execution, so that a plan made while the tables were young
+    would not be kept as they grew: parsed and planned again for every receipt, a tenth
+    of a millisecond and more of the backend's time each, on every light-load
+    operation's way. Each is now a function that plans its statements once per session
+    and keeps them, with the settings that make those plans generic ones reaching every
+    table by its keys (the writes one row at a time, by its key: a generic plan joining a
+    table to the whole batch read the table whole): the same plans on the empty tables of
+    a deployment's first seconds (the ones a worker would keep), on a few thousand rows
+    not yet analysed, on a large analysed history, and on statistics taken while the
+    operations were open."""
+    keyed = KEYED[name]
     urls = {
         "young": young,
         "middle": middle,
@@ -717,54 +795,46 @@ def test_a_read_planned_once_reaches_its_rows_by_their_keys_on_tables_of_any_siz
         "stale statistics": stale,
     }
     for kind, url in urls.items():
-        plan = body_plan(url, name, params, claimed=_FIRST)
-        for relation, index in reads:
-            _read_by_key(f"{name} ({kind})", plan, relation, index)
+        plans = nested_plans(
+            url, "custody", sql.query(name), keyed.params, claimed=_FIRST, setup=keyed.setup
+        )
+        _check_keyed(name, plans, kind)
 
 
-def test_a_read_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
+def test_a_statement_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
     growing: str,
 ) -> None:
-    """The plan a worker's session makes while the tables are young is the one it keeps
-    (its calls prepared, as psycopg prepares them past its threshold): once the tables
-    have grown (and are not analysed yet), the same session still reaches every row by
-    its keys."""
+    """The plans a worker's session makes while the tables are young are the ones it
+    keeps (its calls prepared, as psycopg prepares them past its threshold): once the
+    tables have grown (and are not analysed yet), the same session still reaches every
+    row by its keys."""
     messages: list[str] = []
     with psycopg.connect(growing) as conn:  # one session, as a worker's connection is
         conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
         conn.execute("SET search_path = custody")
         conn.execute("SELECT set_config('custody.claimed_instances', %s, false)", [_FIRST])
         for _ in range(8):
-            for name, (params, _) in KEYED.items():
-                conn.execute(sql.query(name), params, prepare=True)
-            conn.rollback()
+            for name, keyed in KEYED.items():
+                for statement in keyed.setup:
+                    conn.execute(statement)
+                conn.execute(sql.query(name), keyed.params, prepare=True)
+                conn.rollback()
         with psycopg.connect(growing, autocommit=True) as other:
             other.execute("SET session_replication_role = replica")  # rows without parents
-            grown = ("instances ", "operations ", "receipt_inbox ")
+            grown: tuple[str, ...] = ("instances ", "operations ", "receipt_inbox ")
+            grown += ("node_states ", "outbox ", "attempts ")
             for statement in ENGINE_ROWS:
                 if any(f"custody.{t}" in statement for t in grown):
                     other.execute(statement)
         _explain_nested(conn)
-        for name, (params, _) in KEYED.items():
-            conn.execute(sql.query(name), params, prepare=True)
-        conn.rollback()
-    plans = _plans(messages)
-    for name, (_, reads) in KEYED.items():
-        [body] = [p for p in plans if _body_of(name, p["Query Text"])]
-        for relation, index in reads:
-            _read_by_key(f"{name} (grown)", body["Plan"], relation, index)
-
-
-def _body_of(name: str, text: str) -> bool:
-    """Whether auto_explain's statement is the one of this function's body that reads the
-    tables (not the call of the function)."""
-    marks = {
-        "operations_lock": "FOR UPDATE OF o",
-        "revisions_seen": "FROM custody.receipt_inbox r",
-        "receipt_instances_claim": "FOR UPDATE OF i SKIP LOCKED",
-        "instance_results": "SELECT o.instance_id, o.node, o.result",
-    }
-    return marks[name] in text
+        conn.commit()  # the settings kept by the session, past each call's rollback
+        for name, keyed in KEYED.items():
+            messages.clear()
+            for statement in keyed.setup:
+                conn.execute(statement)
+            conn.execute(sql.query(name), keyed.params, prepare=True)
+            conn.rollback()
+            _check_keyed(name, _plans(messages), "grown")
 
 
 def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
@@ -783,87 +853,9 @@ def _read_by_key(name: str, plan: Any, relation: str, index: str) -> None:
     assert not whole, f"{name} reads all of {whole}, with no key: {plan}"
 
 
-# ``operation_apply`` raises for a change whose row is not in its expected status (an
-# operation changed under its lock): on the young database it runs for one operation,
-# left as it is (pending to pending)
-UNCHANGED = str(uuid.uuid4())
-APPLY_UNCHANGED = {
-    "id": UNCHANGED,
-    "expected": "pending",
-    "status": "pending",
-    "effect": "unknown",
-    "owner_revision": 0,
-    "receipt_hash": None,
-    "result": None,
-    "error": None,
-    "terminal": False,
-    "retry_in": None,
-}
-
-
 @pytest.fixture
 def growing(templates: tuple[str, str]) -> Iterator[str]:
     """An engine database of its own, young (empty, never analysed), for a test that
     then fills it."""
     with clone_database(templates[0], "custody_growing") as url:
         yield url
-
-
-async def test_a_batch_statement_on_a_growing_table_is_planned_for_the_table_as_it_is_now(
-    growing: str,
-) -> None:
-    """The bench's burst on a new deployment found the receipts' ``operation_apply`` and
-    ``operations_lock``, the committer's ``instance_results`` and the publisher's
-    ``operations_dispatched`` (now part of ``outbox_mark_dispatched``) reading their tables
-    in full (or every pending operation) once per batch, 10 to 15 ms each and growing: plans
-    prepared in the first seconds, when a full read of a nearly empty table was the
-    cheapest, and kept while the table grew, until the next ANALYZE. These statements are
-    never prepared (the worker's own transaction, past psycopg's prepare threshold, leaves
-    no prepared statement for them, while an ordinary one is prepared), and planned for each
-    execution they reach the rows by their keys on a table that grew since it was last
-    analysed. (``operations_lock`` and ``instance_results`` are since planned once, with
-    settings that keep that plan by keys: ``KEYED``.)"""
-    with psycopg.connect(growing, autocommit=True) as conn:
-        iid = str(uuid.uuid4())
-        conn.execute(
-            "INSERT INTO custody.instances (id, tenant, start_request_id, process,"
-            " process_version, input, status, requested_by, routes) VALUES (%s, 'acme',"
-            " gen_random_uuid(), 'order-fulfilment', 1, '{}', 'running', 'plan-test', '{}')",
-            (iid,),
-        )
-        conn.execute(
-            "INSERT INTO custody.operations (id, tenant, instance_id, node, activation,"
-            " operation, route, owner, principal, binding, input, lineage, attempt, digest,"
-            " status, deadline_seconds) VALUES (%s, 'acme', %s, 'reserve', 1,"
-            " 'inventory.reserve', 'inventory', 'inventory', 'custody-inventory',"
-            " 'inventory.v1', '{}', '{}', 1, 'x', 'pending', 60)",
-            (UNCHANGED, iid),
-        )
-    database = db.Database(growing, schema="custody", name="plan-test", min_size=1, max_size=1)
-    await database.open()
-    try:
-        for _ in range(8):  # past psycopg's prepare_threshold (5), one connection
-            async with database.transaction() as tx:
-                for name, (_, _, params) in PER_EXECUTION.items():
-                    await tx.run(name, APPLY_UNCHANGED if name == "operation_apply" else params)
-                await tx.rows("instances_get", {"ids": [uuid.uuid4()]})
-        async with database.transaction() as tx:
-            prepared = {
-                r["statement"]
-                for r in await tx.business("SELECT statement FROM pg_prepared_statements")
-            }
-    finally:
-        await database.close()
-    prepared = {_placeholders(p) for p in prepared}
-    assert _placeholders(sql.query("instances_get")) in prepared, "an ordinary one is"
-    kept = [n for n in PER_EXECUTION if _placeholders(sql.query(n)) in prepared]
-    assert not kept, f"prepared, so planned once for a young table: {kept}"
-
-    with psycopg.connect(growing, autocommit=True) as conn:
-        conn.execute("SET session_replication_role = replica")  # rows without their parents
-        grown = ("instances ", "operations ", "receipt_inbox ", "node_states ")
-        for statement in ENGINE_ROWS:
-            if any(f"custody.{t}" in statement for t in grown):
-                conn.execute(statement)
-    for name, (relation, index, params) in PER_EXECUTION.items():
-        _read_by_key(name, explain(growing, "custody", sql.query(name), params), relation, index)

@@ -200,14 +200,14 @@ class Tx:
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params, prepare=_prepare(name))
+        cur = await self._conn.execute(_q(name), params)
         found = await cur.fetchall()
         self._unanswered = False
         return found
 
     async def one(self, name: str, params: Params = None) -> Row | None:
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params, prepare=_prepare(name))
+        cur = await self._conn.execute(_q(name), params)
         found = await cur.fetchone()
         self._unanswered = False
         return found
@@ -220,7 +220,7 @@ class Tx:
         unit that needs a statement's rows only once its work is durable (a claim, the
         ids an insert took) costs no round trip of its own."""
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params, prepare=_prepare(name))
+        cur = await self._conn.execute(_q(name), params)
         self._unanswered = True
         return Answer(self, cur)
 
@@ -229,7 +229,7 @@ class Tx:
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             return await self.run_many(name, [params])
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params, prepare=_prepare(name))
+        cur = await self._conn.execute(_q(name), params)
         await self._answers()
         return cur.rowcount
 
@@ -249,7 +249,7 @@ class Tx:
             await self._send_many(name, [params])
             return
         self.statements += 1
-        await self._conn.execute(_q(name), params, prepare=_prepare(name))
+        await self._conn.execute(_q(name), params)
         self._unanswered = True
 
     async def send_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> None:
@@ -264,7 +264,7 @@ class Tx:
         self.statements += 1
         self._unanswered = True
         if sql_files.takes_rows(name):
-            return await self._conn.execute(_q(name), {"rows": Jsonb(seq)}, prepare=_prepare(name))
+            return await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
         cur = self._conn.cursor()
         await cur.executemany(_q(name), seq)
         return cur
@@ -432,12 +432,6 @@ _SAVEPOINTS: Final = tuple(sql.Identifier(f"custody_sp_{i}") for i in range(8))
 
 def _q(name: str) -> LiteralString:
     return sql_files.query(name)
-
-
-def _prepare(name: str) -> bool | None:
-    """psycopg's ``prepare``: never for a statement planned per execution, else its
-    default (prepared once it ran ``prepare_threshold`` times)."""
-    return False if sql_files.planned_per_execution(name) else None
 
 
 @dataclass

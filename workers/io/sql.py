@@ -5,13 +5,13 @@ queries (prefix ``p_``) in ``participant_queries.sql`` beside ``participant_sche
 (``search_path`` = the participant's schema). Each statement follows a
 ``-- name: <name>`` line; a name is unique across both files. A statement whose one
 parameter is ``%(rows)s`` takes all its rows at once, as a jsonb array of row objects
-(``jsonb_to_recordset``): :meth:`workers.io.db.Tx.run_many` sends one statement. A
-statement with a ``-- planned per execution: <why>`` line is never prepared: Postgres
-plans it for each execution, on the tables as they are then (see
-:func:`planned_per_execution`). The receipt consumer's reads on every receipt's way are
-instead calls of functions of their names in ``transitions.sql`` (``-- planned once, by
-its keys``): each plans its statement once per session, with settings that keep that plan
-by keys (an array of keys, ``= ANY``) whatever the tables' size when it was made. The
+(``jsonb_to_recordset``): :meth:`workers.io.db.Tx.run_many` sends one statement. The
+statements on every receipt's way whose plan would otherwise change with a growing table
+(the receipt consumer's reads, its writes, the ends of instances and the engine's confirm
+mark) are calls of functions of their names in ``transitions.sql`` (``-- planned once, by
+its keys``): each plans its statements once per session, with settings that keep those
+plans by keys (an array of keys, ``= ANY``, or one row's key at a time) whatever the
+tables' size when they were made. The
 directory is the ``sql_dir`` setting (``CUSTODY_SQL_DIR``), read when the queries are
 first needed:
 importing this module reads neither the environment nor a file.
@@ -126,7 +126,6 @@ def takes_rows(name: str) -> bool:
 
 
 ROWS = "%(rows)s"
-PER_EXECUTION = "-- planned per execution:"
 
 
 def query(name: str) -> LiteralString:
@@ -135,12 +134,3 @@ def query(name: str) -> LiteralString:
         return queries()[name]  # mypy treats LiteralString as str; these are our own files
     except KeyError:
         raise errors.CustodyError(f"no query named {name!r} in {' or '.join(FILES)}") from None
-
-
-def planned_per_execution(name: str) -> bool:
-    """Whether the statement is planned for each execution (never prepared). For a
-    batch's statement that reaches the rows of a growing table by their keys: a plan
-    prepared while the table was small (a sequential scan, then the cheapest) would be
-    kept as the table grows, until the next ANALYZE; a plan made per execution sees the
-    table's current size. The planning costs less than the batch it serves."""
-    return PER_EXECUTION in query(name)
