@@ -203,7 +203,7 @@ UPDATE successor_intents SET status = 'done', done_at = now()
 -- planned once, by its keys (custody.instance_finish in transitions.sql, a row at a time):
 -- a batch's ends, each only from running, with the history row of each end given one;
 -- returns the instances ended
-SELECT id FROM custody.instance_finish(%(rows)s) AS ended(id);
+SELECT id FROM custody.instance_finish(%(rows)s);
 
 -- Publisher: claim a batch (one transaction), publish, mark the confirmed ones (another) ---
 

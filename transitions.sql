@@ -1,6 +1,6 @@
 -- custody: the controlled recovery commands, in the database (applied after schema.sql
--- and commands.sql; idempotent), and the receipt consumer's reads planned once, by their
--- keys (below claimed_instances).
+-- and commands.sql; idempotent), and the statements on every receipt's way planned once,
+-- by their keys (below claimed_instances).
 --
 -- "Operators use controlled recovery commands rather than editing runtime rows
 -- directly." An operator is a Postgres login role of its own, registered in
@@ -174,15 +174,14 @@ END $$;
 -- Reads planned once, by their keys ------------------------------------------------------
 -- The receipt consumer's reads (queries.sql calls each by the same name), planned once per
 -- session and kept: a PL/pgSQL function keeps the plan of its statement, and their
--- settings (given to the four at once, after them), in force while one runs and only
--- then, make it a generic plan that reaches every table by its keys, whatever the
+-- settings (given to them at once, after the writes below), in force while one runs and
+-- only then, make it a generic plan that reaches every table by its keys, whatever the
 -- table's size or statistics when it is made (a plan that a worker prepared while the
--- tables were young and kept as they grew read them in full: test_query_plans.py). As plain statements they were planned for each
--- execution instead, so as to see the tables as they are: a tenth of a millisecond and
--- more of the backend's time per statement, on every receipt's way at light load.
--- Only reads: a batch's writes join a jsonb set of its rows to their table, and a generic
--- plan of such a join, made on young tables, read the table whole (an index without a
--- key, a nested loop over the batch); they stay planned for each execution (queries.sql).
+-- tables were young and kept as they grew read them in full: test_query_plans.py). As
+-- plain statements they were planned for each execution instead, so as to see the tables
+-- as they are: a tenth of a millisecond and more of the backend's time per statement, on
+-- every receipt's way at light load. The writes follow (Writes planned once, one row at
+-- a time).
 -- A release's workers call these by name and signature, and the previous release's
 -- workers still run while its migrate re-applies this file: a change of a function's
 -- arguments or columns is a new function under a new name (operations_lock_v2), the old
@@ -334,7 +333,7 @@ END $$;
 -- unit that writes nothing after its ends need not wait for which ones they were. The
 -- status as text: the instance by its key, never every running one through
 -- instances_status (see instance_suspend_for in queries.sql).
-CREATE OR REPLACE FUNCTION custody.instance_finish(p_rows jsonb) RETURNS SETOF uuid
+CREATE OR REPLACE FUNCTION custody.instance_finish(p_rows jsonb) RETURNS TABLE (id uuid)
 LANGUAGE plpgsql
 AS $$
 DECLARE r record;
@@ -349,7 +348,8 @@ BEGIN
       VALUES (r.id, (r.history->>'operation_id')::uuid, r.history->>'event',
               coalesce(r.history->'detail', '{}'), r.history->>'actor');
     END IF;
-    RETURN NEXT r.id;
+    id := r.id;
+    RETURN NEXT;
   END LOOP;
 END $$;
 
@@ -397,8 +397,8 @@ BEGIN
   RETURN v_marked;
 END $$;
 
--- The four's settings, in one place (CREATE OR REPLACE above clears a function's own):
--- generic plans, reaching every table by its keys.
+-- The settings of the reads and the writes planned once, in one place (CREATE OR REPLACE
+-- above clears a function's own): generic plans, reaching every table by its keys.
 DO $$
 DECLARE f regprocedure;
 BEGIN
