@@ -56,22 +56,31 @@ SELECT tenant, start_request_id::text FROM start_tombstones
 UPDATE start_tombstones SET late_start_at = coalesce(late_start_at, now())
  WHERE tenant = %(tenant)s AND start_request_id = %(start_request_id)s;
 
+-- name: start_archived_for
+-- The starts of a run whose instances finished long ago and were archived: duplicates
+-- (read under the start locks, which the archival takes too)
+SELECT tenant, start_request_id::text FROM custody_archive.instances
+ WHERE (tenant, start_request_id) IN (
+       SELECT * FROM unnest(%(tenant)s::text[], %(start_request_id)s::uuid[]));
+
 -- name: instance_insert
--- One statement for the batch. A replica that raced us to the same start request
--- wins quietly: its id is simply not returned, and we write nothing for it. A start
--- whose instance finished long ago and was archived is a duplicate too (under the
--- start lock, which the archival takes).
-INSERT INTO instances (id, tenant, start_request_id, process, process_version, input, status,
-                       requested_by, traceparent, routes)
-SELECT id, tenant, start_request_id, process, process_version, input, 'running', requested_by,
-       traceparent, routes
-  FROM jsonb_to_recordset(%(rows)s)
-       AS t(id uuid, tenant text, start_request_id uuid, process text, process_version int,
-            input jsonb, requested_by text, traceparent text, routes jsonb)
- WHERE NOT EXISTS (SELECT 1 FROM custody_archive.instances a
-                    WHERE a.tenant = t.tenant AND a.start_request_id = t.start_request_id)
-ON CONFLICT DO NOTHING
-RETURNING id::text;
+-- One statement for the batch, sent without waiting: every instance of the batch is new
+-- (the start locks are held, and the instances and the archive were read under them), and
+-- one that is there after all fails the statement (CU004: the unit is redone, and reads
+-- it), so that nothing is written for a start this unit did not make.
+WITH inserted AS (
+  INSERT INTO instances (id, tenant, start_request_id, process, process_version, input,
+                         status, requested_by, traceparent, routes)
+  SELECT id, tenant, start_request_id, process, process_version, input, 'running',
+         requested_by, traceparent, routes
+    FROM jsonb_to_recordset(%(rows)s)
+         AS t(id uuid, tenant text, start_request_id uuid, process text, process_version int,
+              input jsonb, requested_by text, traceparent text, routes jsonb)
+  ON CONFLICT DO NOTHING
+  RETURNING id
+)
+SELECT custody.changed_under_lock('an instance of the batch')
+ WHERE (SELECT count(*) FROM inserted) <> jsonb_array_length(%(rows)s);
 
 -- name: instances_get
 SELECT id::text, tenant, start_request_id::text, process, input, status::text

@@ -1047,7 +1047,8 @@ GRANT EXECUTE ON FUNCTION custody.t_retire_submits(text, uuid) TO custody_publis
 -- functions every role's queries use
 GRANT EXECUTE ON FUNCTION custody.fence(text, bigint) TO custody_committer, custody_publisher,
   custody_receipts, custody_reconciler;
-GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.changed_under_lock(text) TO custody_committer,
+  custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.claimed_instances() TO custody_committer, custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.operations_lock(uuid[]),
   custody.revisions_seen(uuid[], integer[], integer[]), custody.receipt_instances_claim(uuid[])

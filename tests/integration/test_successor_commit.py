@@ -31,6 +31,7 @@ from tests.harness import (
     publish_starts,
     role_database,
 )
+from workers import errors
 from workers.core import lifecycle, process, records
 from workers.engine import activate, committer
 from workers.io import broker, db
@@ -187,18 +188,18 @@ def _start_deliveries(n: int) -> list[tuple[broker.Delivery, StartRequest]]:
     return starts
 
 
-async def test_a_run_of_start_requests_commits_in_three_round_trips(
+async def test_a_run_of_start_requests_commits_in_two_round_trips(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ "Workflow transition" at a start: a run of start requests is serialised with
-    their cancellations (the advisory locks), judged by their tombstones and by the
-    instances that exist already, and the instances with their first operations
-    committed, in three round trips: the locks with both reads (sent together, run in
-    that order, so both reads still see what the locks serialise), the instances'
-    insert (whose answer says which are new), and the writes with the COMMIT. The locks
-    and each read cost one of their own (five in all); at light load each is on the
-    first operation's way, and on its instance's. A start already tombstoned is still
-    refused, and a start already made is still a duplicate."""
+    their cancellations (the advisory locks), judged by their tombstones, by the
+    instances that exist already and by the archived ones, and the instances with their
+    first operations committed, in two round trips: the locks with the three reads (sent
+    together, run in that order, so the reads still see what the locks serialise), then
+    the instances' insert with the writes and the COMMIT. The insert's answer is not
+    waited for (it said which instances were new, a third round trip on every instance's
+    way at light load): under their locks every one is new. A start already tombstoned
+    is still refused, and a start already made is still a duplicate."""
     async with _committer(env) as c:
         first = _start_deliveries(1)
         await c.commit_starts(first, [])  # made before: a duplicate below
@@ -211,12 +212,39 @@ async def test_a_run_of_start_requests_commits_in_three_round_trips(
         fresh = _start_deliveries(ORDERS)
         trips = RoundTrips(monkeypatch)
         await c.commit_starts([*first, *tombstoned, *fresh], [])
-        assert trips.n == 3, f"{trips.n} round trips"
+        assert trips.n == 2, f"{trips.n} round trips"
     assert first[0][0].ids["outcome"] == "duplicate"
     assert tombstoned[0][0].ids["outcome"] == "cancelled_before_start"
     assert {d.ids["outcome"] for d, _ in fresh} == {"started"}
     assert await env.scalar("SELECT count(*) FROM custody.instances") == 1 + ORDERS
     assert await env.scalar("SELECT count(*) FROM custody.operations") == 1 + ORDERS
+
+
+async def test_a_start_whose_instance_is_there_after_all_fails_its_unit_and_writes_nothing(
+    env: Env,
+) -> None:
+    """The run of starts does not wait for its insert's answer, so the insert itself
+    refuses a batch in which an instance is there after all (none can be while its start
+    lock is held, the instances read under it: a guard, not a path): CU004, the unit is
+    redone, re-reading, and nothing of the batch is written. Under the committer's own
+    role."""
+    async with _committer(env) as c:
+        [made] = _start_deliveries(1)
+        await c.commit_starts([made], [])
+    [there] = await env.sql(
+        "SELECT id::text, tenant, start_request_id::text, process, process_version, input,"
+        " requested_by, traceparent, routes FROM custody.instances"
+    )
+    keys = ("id", "tenant", "start_request_id", "process", "process_version", "input")
+    old = dict(zip((*keys, "requested_by", "traceparent", "routes"), there, strict=True))
+    new = {**old, "id": str(uuid.uuid4()), "start_request_id": str(uuid.uuid4())}
+    async with role_database(env.settings.database_url, "custody_committer") as database:
+        with pytest.raises(errors.DatabaseError) as failed:
+            async with database.transaction() as tx:
+                await tx.send_many("instance_insert", [new, old])
+        assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
+        assert failed.value.kind is errors.Retry.RETRY
+    assert await env.scalar("SELECT count(*) FROM custody.instances") == 1
 
 
 async def test_an_end_a_receipt_makes_writes_its_history_without_a_round_trip_of_its_own(

@@ -118,7 +118,8 @@ class Committer:
             }
             # the locks, then what the starts are judged by under them: sent together
             # (run in this order, answered in one round trip); the instances of every
-            # start, tombstoned or not, which the tombstones' answer need not wait for
+            # start, tombstoned or not, which the tombstones' answer need not wait for,
+            # and the archived ones
             await tx.send("start_locks", keys)
             tombstones = await tx.ask("start_tombstones_for", keys)
             ids_of = {
@@ -126,6 +127,7 @@ class Committer:
                 for _, s in valid
             }
             instances_of = await tx.ask("instances_get", {"ids": list(ids_of.values())})
+            archived_of = await tx.ask("start_archived_for", keys)
             tombstoned = {(r["tenant"], r["start_request_id"]) for r in await tombstones.rows()}
             late = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) in tombstoned]
             for d, s in late:
@@ -146,13 +148,18 @@ class Committer:
             valid = [(d, s) for d, s in valid if (s.tenant, s.start_request_id) not in tombstoned]
             ids = [ids_of[(s.tenant, s.start_request_id)] for _, s in valid]
             existing = {r["id"]: r for r in await instances_of.rows()}
+            archived = {(r["tenant"], r["start_request_id"]) for r in await archived_of.rows()}
             instances: list[dict[str, Any]] = []
             plans: list[activation.Plan] = []
             seen: set[str] = set()
             for (d, start), iid in zip(valid, ids, strict=True):
                 d.ids["instance_id"] = iid
                 old = existing.get(iid)
-                if old is not None or iid in seen:
+                if (
+                    old is not None
+                    or iid in seen
+                    or (start.tenant, start.start_request_id) in archived
+                ):
                     conflict = activation.start_conflict(old["input"], start) if old else None
                     if conflict is not None:
                         quarantine.append(
@@ -196,13 +203,9 @@ class Committer:
                 )
                 plans.append(decided.plan)
                 d.ids.update(operation_id=decided.plan.operation.id, outcome="started")
-            inserted = set()
-            if instances:
-                inserted = {
-                    r["id"] for r in await tx.rows("instance_insert", {"rows": db.jsonb(instances)})
-                }
-            instances = [i for i in instances if i["id"] in inserted]
-            plans = [p for p in plans if p.instance_id in inserted]
+            # every one new (under its lock), or the statement fails and the unit is
+            # redone: not waited for, it leaves with the writes and the COMMIT
+            await tx.send_many("instance_insert", instances)
             started = [
                 _history(
                     i["id"], "instance.started", process=i["process"], version=i["process_version"]
