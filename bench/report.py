@@ -361,6 +361,18 @@ def round_ratios(rounds: Sequence[Round], system: str) -> list[float]:
     ]
 
 
+def light_medians(rounds: Sequence[Round]) -> tuple[float | None, float | None]:
+    """custody's light-load operation p50 and instance p50, each the median over the
+    rounds that measured them (None: none did)."""
+    measured = [r.custody for r in rounds if r.custody.light_ops]
+    if not measured:
+        return None, None
+    return (
+        median([c.light_op_p50_ms for c in measured]),
+        median([c.light_inst_p50_ms for c in measured]),
+    )
+
+
 def median(values: Sequence[float]) -> float:
     """The middle value (the mean of the two middle ones for an even count)."""
     if not values:
@@ -405,37 +417,66 @@ class Report:
             return []
         systems = [p.system for p in self.peers]
         label = f"custody r{head.replicas}"
-        header = ["round", f"{label} operations/s", "its CPU ms / operation", "its pace (µs)"]
+        header = [
+            "round",
+            f"{label} operations/s",
+            "its CPU ms / operation",
+            "its pace (µs)",
+            "its light load: an operation p50 / an instance p50",
+        ]
         for name in systems:
-            header += [f"{name} operations/s", "its pace (µs)", f"{label} ÷ {name}"]
+            header += [
+                f"{name} operations/s",
+                "its pace (µs)",
+                f"{label} ÷ {name}",
+                "its light load: a step p50",
+            ]
         rows = []
         for n, r in enumerate(rounds, 1):
             c = r.custody
-            row = [str(n), f"{c.ops_per_s:,.0f}", f"{1000 * c.cpu.own / c.ops:.2f}", _pace(c.cpu)]
+            row = [
+                str(n),
+                f"{c.ops_per_s:,.0f}",
+                f"{1000 * c.cpu.own / c.ops:.2f}",
+                _pace(c.cpu),
+                f"{_ms(c.light_op_p50_ms)} / {_ms(c.light_inst_p50_ms)}" if c.light_ops else "",
+            ]
             for name in systems:
                 p = next((p for p in r.peers if p.system == name), None)
                 row += (
-                    ["", "", ""]
+                    ["", "", "", ""]
                     if p is None
                     else [
                         f"{p.ops_per_s:,.0f}",
                         _pace(p.cpu),
                         _ratio(c.ops_per_s / p.ops_per_s),
+                        _ms(p.light_step_p50_ms) if p.light_workflows else "",
                     ]
                 )
             rows.append(row)
+        ops, instances = light_medians(rounds)
         last = [
             "**median**",
             f"{median([r.custody.ops_per_s for r in rounds]):,.0f}",
             f"{median([1000 * r.custody.cpu.own / r.custody.ops for r in rounds]):.2f}",
             "",
+            f"**{_ms(ops)} / {_ms(instances)}**"
+            if ops is not None and instances is not None
+            else "",
         ]
         for name in systems:
             theirs = [p.ops_per_s for r in rounds for p in r.peers if p.system == name]
+            steps = [
+                p.light_step_p50_ms
+                for r in rounds
+                for p in r.peers
+                if p.system == name and p.light_workflows
+            ]
             last += [
                 f"{median(theirs):,.0f}",
                 "",
                 f"**{_ratio(median(round_ratios(rounds, name)))}**",
+                _ms(median(steps)) if steps else "",
             ]
         rows.append(last)
         return [
@@ -443,12 +484,13 @@ class Report:
             "",
             f"The machine's speed drifts from one window to the next (the pace columns),"
             f" and each system's burst has its own window; so the run repeats {label}'s"
-            f" burst and then each peer's, {len(rounds)} times in all. Round 1 is the table"
-            " above; the others are bursts only (no light-load phase), each checked exactly"
-            " once like the first (*Correctness* below). A round's ratio compares two"
-            " windows minutes apart at most; the median of the rounds' ratios is the run's"
-            " figure. The last row gives each column's own median (the median ratio is not"
-            " the ratio of the median operations/s).",
+            f" burst and light load and then each peer's, {len(rounds)} times in all. Round 1"
+            " is the table above; the others are checked exactly once like the first"
+            " (*Correctness* below). A round's ratio compares two windows minutes apart at"
+            " most; the median of the rounds' ratios is the run's figure, and the median"
+            " of the rounds' light-load p50s its light-load figure (one window's pace moves"
+            " a light-load p50 by a third and more). The last row gives each column's own"
+            " median (the median ratio is not the ratio of the median operations/s).",
             "",
             *_table(header, rows),
             "",
@@ -559,6 +601,15 @@ class Report:
                 f"the median of {len(rounds)} alternated rounds: custody r{head.replicas}"
                 f" moves {' and '.join(each)}"
             )
+            ops, instances = light_medians(rounds)
+            if ops is not None and instances is not None:
+                measured = [r.custody for r in rounds if r.custody.light_ops]
+                parts.append(
+                    f"at light load, the median of the rounds: an operation p50 **{_ms(ops)}**"
+                    f" (the rounds: {', '.join(_ms(c.light_op_p50_ms) for c in measured)}),"
+                    f" an instance p50 **{_ms(instances)}**"
+                    f" ({', '.join(_ms(c.light_inst_p50_ms) for c in measured)})"
+                )
         for r in self.peers:
             ratio = head.ops_per_s / r.ops_per_s
             parts.append(

@@ -273,14 +273,17 @@ async def _runs(opts: Options, settings: Settings) -> int:
                 print(f"  {h.line()}", flush=True)
         for peer in opts.peers:
             report.peers.append(await _peer(opts, settings, logs, peer, head, light=opts.light))
-        # the ratios again, alternated: custody r1's burst, then each peer's (bursts only;
-        # each checked exactly once the same way); the report takes the rounds' median
+        # the ratios again, alternated: custody r1's burst and light load, then each
+        # peer's (each checked exactly once the same way); the report takes the rounds'
+        # medians, of the light-load latencies too (one window's luck moves them most)
         for n in range(2, opts.rounds + 1):
             print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
-            again = Round(await _custody(opts, settings, report, logs, first, light=0))
+            again = Round(await _custody(opts, settings, report, logs, first))
             report.rounds.append(again)
             for peer in opts.peers:
-                again.peers.append(await _peer(opts, settings, logs, peer, again.custody, light=0))
+                again.peers.append(
+                    await _peer(opts, settings, logs, peer, again.custody, light=opts.light)
+                )
         for replicas in others:
             report.custody.append(await _custody(opts, settings, report, logs, replicas))
         if opts.backlog is not None:

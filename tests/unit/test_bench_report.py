@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,10 @@ def test_the_backlog_is_put_at_the_empty_table_windows_pace() -> None:
     assert machine_pace(_window(None), _window(1000.0)) is None
 
 
-def _custody(ops_per_s: float, pace_us: float, cpu_s: float = 6.0) -> CustodyResult:
+def _custody(
+    ops_per_s: float, pace_us: float, cpu_s: float = 6.0, light: tuple[float, float] | None = None
+) -> CustodyResult:
+    """``light``: the light-load operation p50 and instance p50, if measured."""
     cpu = CpuWindow(
         seconds=3000 / ops_per_s,
         rows=[CpuRow("receipts-1", "custody workers", cpu_s), CpuRow("kworker", "other", 9.0)],
@@ -67,11 +71,11 @@ def _custody(ops_per_s: float, pace_us: float, cpu_s: float = 6.0) -> CustodyRes
         warm_instances=0,
         warm_p50_ms=0.0,
         warm_max_ms=0.0,
-        light_instances=0,
-        light_inst_p50_ms=0.0,
+        light_instances=50 if light else 0,
+        light_inst_p50_ms=light[1] if light else 0.0,
         light_inst_p99_ms=0.0,
-        light_ops=0,
-        light_op_p50_ms=0.0,
+        light_ops=150 if light else 0,
+        light_op_p50_ms=light[0] if light else 0.0,
         light_op_p99_ms=0.0,
         effects={},
         duplicates=0,
@@ -81,7 +85,10 @@ def _custody(ops_per_s: float, pace_us: float, cpu_s: float = 6.0) -> CustodyRes
     )
 
 
-def _peer(system: str, ops_per_s: float, pace_us: float = 1000.0) -> PeerResult:
+def _peer(
+    system: str, ops_per_s: float, pace_us: float = 1000.0, light: float | None = None
+) -> PeerResult:
+    """``light``: the light-load step p50, if measured."""
     return PeerResult(
         system=system,
         version="1",
@@ -92,8 +99,8 @@ def _peer(system: str, ops_per_s: float, pace_us: float = 1000.0) -> PeerResult:
         workflows=1000,
         seconds=3000 / ops_per_s,
         warmup=0,
-        light_workflows=0,
-        light_step_p50_ms=0.0,
+        light_workflows=50 if light else 0,
+        light_step_p50_ms=light or 0.0,
         light_step_p99_ms=0.0,
         light_wf_p50_ms=0.0,
         light_wf_p99_ms=0.0,
@@ -108,12 +115,20 @@ def _peer(system: str, ops_per_s: float, pace_us: float = 1000.0) -> PeerResult:
 # ratio of the median operations/s (Celery 1.69 against 2.00, 1.50 and 1.67; pgqueuer
 # 0.92 against 0.80, 1.00 and 0.83), so any of those in its place fails.
 ROUNDS = [(1000.0, 500.0, 1250.0, 6.0), (900.0, 600.0, 900.0, 5.4), (1100.0, 650.0, 1200.0, 7.2)]
+# each round's light load: custody's operation p50 and instance p50, Celery's and
+# pgqueuer's step p50; each median is neither round 1's nor the smallest or the largest
+LIGHT = [((9.0, 28.0), 2.6, 4.2), ((14.0, 40.0), 3.9, 3.7), ((11.0, 33.0), 3.0, 5.0)]
 
 
-def _report(rounds: list[tuple[float, float, float, float]]) -> Report:
+def _report(
+    rounds: list[tuple[float, float, float, float]],
+    light: list[tuple[tuple[float, float], float, float]] | None = None,
+) -> Report:
     """Rounds of (custody, Celery, pgqueuer) operations/s and custody's CPU seconds;
-    the first is the main table's."""
+    the first is the main table's; ``light``: each round's light load (LIGHT)."""
+    lights: list[Any] = list(light) if light else [((), None, None)] * len(rounds)
     (c, celery, pgq, cpu), *rest = rounds
+    (c_light, celery_light, pgq_light), *rest_light = lights
     machine = Machine(2, "cpu", "k", "3.11", "3", "25", "15", "", "0", "abc")
     report = Report(
         datetime(2026, 12, 6, tzinfo=UTC),
@@ -124,14 +139,17 @@ def _report(rounds: list[tuple[float, float, float, float]]) -> Report:
             ops=300, warmup=0, seconds=1.0, p50_ms=1, p99_ms=1, max_ms=1, cpu=_window(1000.0)
         ),
     )
-    report.custody.append(_custody(c, 800.0, cpu))
-    report.peers += [_peer("Celery", celery, 850.0), _peer("pgqueuer", pgq, 830.0)]
+    report.custody.append(_custody(c, 800.0, cpu, c_light or None))
+    report.peers += [
+        _peer("Celery", celery, 850.0, celery_light),
+        _peer("pgqueuer", pgq, 830.0, pgq_light),
+    ]
     report.rounds += [
         Round(
-            _custody(c2, 790.0 + n, cpu2),
-            [_peer("Celery", ce2, 820.0 + n), _peer("pgqueuer", pg2, 840.0 + n)],
+            _custody(c2, 790.0 + n, cpu2, l2[0] or None),
+            [_peer("Celery", ce2, 820.0 + n, l2[1]), _peer("pgqueuer", pg2, 840.0 + n, l2[2])],
         )
-        for n, (c2, ce2, pg2, cpu2) in enumerate(rest)
+        for n, ((c2, ce2, pg2, cpu2), l2) in enumerate(zip(rest, rest_light, strict=True))
     ]
     return report
 
@@ -161,11 +179,33 @@ def test_each_round_is_a_row_of_its_own_windows_and_the_last_row_the_medians() -
     lines = _report(ROUNDS)._rounds()
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| round")]
     assert rows == [
-        "| 1 | 1,000 | 2.00 | 800 | 500 | 850 | 2.00 | 1,250 | 830 | 0.80 |",
-        "| 2 | 900 | 1.80 | 790 | 600 | 820 | 1.50 | 900 | 840 | 1.00 |",
-        "| 3 | 1,100 | 2.40 | 791 | 650 | 821 | 1.69 | 1,200 | 841 | 0.92 |",
-        "| **median** | 1,000 | 2.00 |  | 600 |  | **1.69** | 1,200 |  | **0.92** |",
+        "| 1 | 1,000 | 2.00 | 800 |  | 500 | 850 | 2.00 |  | 1,250 | 830 | 0.80 |  |",
+        "| 2 | 900 | 1.80 | 790 |  | 600 | 820 | 1.50 |  | 900 | 840 | 1.00 |  |",
+        "| 3 | 1,100 | 2.40 | 791 |  | 650 | 821 | 1.69 |  | 1,200 | 841 | 0.92 |  |",
+        "| **median** | 1,000 | 2.00 |  |  | 600 |  | **1.69** |  | 1,200 |  | **0.92** |  |",
     ]
+
+
+def test_each_round_measures_light_load_and_the_runs_figure_is_the_rounds_median() -> None:
+    """A light-load p50 moves by a third and more with its window's pace: every round
+    runs the light-load phase (custody's and each peer's), and the run's light-load
+    figures are the medians of the rounds', not round 1's alone."""
+    report = _report(ROUNDS, LIGHT)
+    lines = report._rounds()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| round")]
+    assert rows[0] == (
+        "| 1 | 1,000 | 2.00 | 800 | 9.0 ms / 28 ms | 500 | 850 | 2.00 | 2.6 ms"
+        " | 1,250 | 830 | 0.80 | 4.2 ms |"
+    )
+    assert rows[-1] == (
+        "| **median** | 1,000 | 2.00 |  | **11 ms / 33 ms** | 600 |  | **1.69** | 3.0 ms"
+        " | 1,200 |  | **0.92** | 4.2 ms |"
+    )
+    text = "\n".join(report._against_peers())
+    assert (
+        "at light load, the median of the rounds: an operation p50 **11 ms** (the rounds:"
+        " 9.0 ms, 14 ms, 11 ms), an instance p50 **33 ms** (28 ms, 40 ms, 33 ms)" in text
+    )
 
 
 def test_one_round_reports_no_median() -> None:
