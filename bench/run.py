@@ -273,17 +273,7 @@ async def _runs(opts: Options, settings: Settings) -> int:
                 print(f"  {h.line()}", flush=True)
         for peer in opts.peers:
             report.peers.append(await _peer(opts, settings, logs, peer, head, light=opts.light))
-        # the ratios again, alternated: custody r1's burst and light load, then each
-        # peer's (each checked exactly once the same way); the report takes the rounds'
-        # medians, of the light-load latencies too (one window's luck moves them most)
-        for n in range(2, opts.rounds + 1):
-            print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
-            again = Round(await _custody(opts, settings, report, logs, first))
-            report.rounds.append(again)
-            for peer in opts.peers:
-                again.peers.append(
-                    await _peer(opts, settings, logs, peer, again.custody, light=opts.light)
-                )
+        await later_rounds(opts, settings, report, logs, first)
         for replicas in others:
             report.custody.append(await _custody(opts, settings, report, logs, replicas))
         if opts.backlog is not None:
@@ -298,6 +288,23 @@ async def _runs(opts: Options, settings: Settings) -> int:
     tmp.replace(opts.output)
     print(f"written to {opts.output}")
     return 0
+
+
+async def later_rounds(
+    opts: Options, settings: Settings, report: Report, logs: Path, first: int
+) -> None:
+    """The ratios again, alternated: custody's burst and light load, then each peer's
+    (each checked exactly once the same way), rounds 2 to ``opts.rounds``; the report
+    takes the rounds' medians, of the light-load latencies too (one window's pace moves
+    them most)."""
+    for n in range(2, opts.rounds + 1):
+        print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
+        again = Round(await _custody(opts, settings, report, logs, first))
+        report.rounds.append(again)
+        for peer in opts.peers:
+            again.peers.append(
+                await _peer(opts, settings, logs, peer, again.custody, light=opts.light)
+            )
 
 
 async def _peer(

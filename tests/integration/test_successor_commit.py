@@ -199,7 +199,8 @@ async def test_a_run_of_start_requests_commits_in_two_round_trips(
     the instances' insert with the writes and the COMMIT. The insert's answer is not
     waited for (it said which instances were new, a third round trip on every instance's
     way at light load): under their locks every one is new. A start already tombstoned
-    is still refused, and a start already made is still a duplicate."""
+    is still refused, a start already made is still a duplicate, and so is a start whose
+    instance finished long ago and was archived (no second instance)."""
     async with _committer(env) as c:
         first = _start_deliveries(1)
         await c.commit_starts(first, [])  # made before: a duplicate below
@@ -209,11 +210,20 @@ async def test_a_run_of_start_requests_commits_in_two_round_trips(
             " VALUES ('acme', %s, 'test', 'test')",
             (tombstoned[0][1].start_request_id,),
         )
+        archived = _start_deliveries(1)
+        await env.sql(  # first's instance, copied to the archive as archived's
+            "INSERT INTO custody_archive.instances SELECT (jsonb_populate_record("
+            " NULL::custody_archive.instances, to_jsonb(i) || jsonb_build_object("
+            " 'id', gen_random_uuid(), 'start_request_id', %s::text, 'status', 'completed',"
+            " 'finished_at', now()))).* FROM custody.instances i",
+            (archived[0][1].start_request_id,),
+        )
         fresh = _start_deliveries(ORDERS)
         trips = RoundTrips(monkeypatch)
-        await c.commit_starts([*first, *tombstoned, *fresh], [])
+        await c.commit_starts([*first, *tombstoned, *archived, *fresh], [])
         assert trips.n == 2, f"{trips.n} round trips"
     assert first[0][0].ids["outcome"] == "duplicate"
+    assert archived[0][0].ids["outcome"] == "duplicate"
     assert tombstoned[0][0].ids["outcome"] == "cancelled_before_start"
     assert {d.ids["outcome"] for d, _ in fresh} == {"started"}
     assert await env.scalar("SELECT count(*) FROM custody.instances") == 1 + ORDERS
@@ -225,9 +235,10 @@ async def test_a_start_whose_instance_is_there_after_all_fails_its_unit_and_writ
 ) -> None:
     """The run of starts does not wait for its insert's answer, so the insert itself
     refuses a batch in which an instance is there after all (none can be while its start
-    lock is held, the instances read under it: a guard, not a path): CU004, the unit is
-    redone, re-reading, and nothing of the batch is written. Under the committer's own
-    role."""
+    lock is held, the instances read under it: a guard, not a path): the statement fails
+    with CU004, classified as a unit to redo (the consume loop's redo re-reads everything:
+    tests/unit/test_redo.py), and nothing of the batch is written. Under the committer's
+    own role."""
     async with _committer(env) as c:
         [made] = _start_deliveries(1)
         await c.commit_starts([made], [])
