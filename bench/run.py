@@ -33,7 +33,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,6 +53,11 @@ from workers.settings import ROOT, Settings
 
 RESULTS = ROOT / "bench" / "results" / "latest.md"
 PEERS = ("celery", "pgqueuer")
+
+
+# one custody run and one peer's run (later_rounds takes them as arguments: a test's own)
+CustodyRun = Callable[..., Awaitable[CustodyResult]]
+PeerRun = Callable[..., Awaitable[PeerResult]]
 
 
 @dataclass(frozen=True)
@@ -291,19 +296,28 @@ async def _runs(opts: Options, settings: Settings) -> int:
 
 
 async def later_rounds(
-    opts: Options, settings: Settings, report: Report, logs: Path, first: int
+    opts: Options,
+    settings: Settings,
+    report: Report,
+    logs: Path,
+    first: int,
+    *,
+    custody: CustodyRun | None = None,
+    peer: PeerRun | None = None,
 ) -> None:
     """The ratios again, alternated: custody's burst and light load, then each peer's
     (each checked exactly once the same way), rounds 2 to ``opts.rounds``; the report
     takes the rounds' medians, of the light-load latencies too (one window's pace moves
-    them most)."""
+    them most). ``custody`` and ``peer``: the runs (this module's, unless given)."""
+    run_custody_once = custody or _custody
+    run_peer = peer or _peer
     for n in range(2, opts.rounds + 1):
         print(f"  round {n} of {opts.rounds}: custody r{first} and the peers again", flush=True)
-        again = Round(await _custody(opts, settings, report, logs, first))
+        again = Round(await run_custody_once(opts, settings, report, logs, first))
         report.rounds.append(again)
-        for peer in opts.peers:
+        for name in opts.peers:
             again.peers.append(
-                await _peer(opts, settings, logs, peer, again.custody, light=opts.light)
+                await run_peer(opts, settings, logs, name, again.custody, light=opts.light)
             )
 
 

@@ -261,7 +261,7 @@ def test_the_brokers_own_hop_is_reported_beside_the_light_load_legs() -> None:
 
 
 async def test_every_later_round_runs_custody_and_each_peer_with_their_light_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """Rounds 2 to N run custody's light-load phase and each peer's, as round 1 does: the
     rounds table's light-load medians have a figure from every round."""
@@ -276,10 +276,10 @@ async def test_every_later_round_runs_custody_and_each_peer_with_their_light_loa
         calls.append((args[3], light))
         return _peer(args[3], 500.0, light=3.0)
 
-    monkeypatch.setattr(run, "_custody", custody)
-    monkeypatch.setattr(run, "_peer", peer)
     report = _report(ROUNDS[:1])
     report.rounds.clear()
-    await run.later_rounds(opts, Settings.from_env(), report, tmp_path, 1)
+    await run.later_rounds(
+        opts, Settings.from_env(), report, tmp_path, 1, custody=custody, peer=peer
+    )
     assert calls == [("custody", 7), *[(p, 7) for p in opts.peers]] * 2
     assert len(report.rounds) == 2
