@@ -305,42 +305,14 @@ SELECT receipt_id::text, content_hash FROM receipt_inbox WHERE receipt_id = ANY(
 SELECT * FROM custody.revisions_seen(%(operation_id)s::uuid[], %(attempt)s::int[],
                                       %(owner_revision)s::int[]);
 
--- name: receipt_record
-INSERT INTO receipt_inbox (receipt_id, operation_id, attempt, owner_revision, status,
-                           content_hash, decision)
-SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.content_hash,
-       r.decision
-  FROM jsonb_to_recordset(%(rows)s)
-       AS r(receipt_id uuid, operation_id uuid, attempt integer, owner_revision integer,
-            status text, content_hash text, decision text)
-ON CONFLICT (receipt_id) DO NOTHING;
-
--- name: operation_apply
--- planned once, by its keys (custody.operation_apply in transitions.sql, a row at a time):
--- the batch's changes, each operation at most once (records.fold_updates), each guarded
--- by the status it was judged from; a row changed under its lock fails the call (CU004,
--- the unit is redone), so that the caller need not wait for a row count
-SELECT custody.operation_apply(%(rows)s);
-
--- name: node_finish
--- planned once, by its keys (custody.node_finish in transitions.sql, a row at a time): the
--- batch's finished nodes
-SELECT custody.node_finish(%(rows)s);
-
--- name: successor_insert
--- A batch's successor intents; one the receipt consumer activated in this transaction
--- (receipt_instances_claim) is written done: only pending ones wake the committer.
-INSERT INTO successor_intents (instance_id, from_operation_id, outcome, next_node, status,
-                               done_at)
-SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node,
-       CASE WHEN r.done THEN 'done' ELSE 'pending' END,
-       CASE WHEN r.done THEN now() END
-  FROM ROWS FROM (jsonb_to_recordset(%(rows)s)
-                  AS (instance_id uuid, from_operation_id uuid, outcome text, next_node text,
-                      done boolean))
-       WITH ORDINALITY AS r(instance_id, from_operation_id, outcome, next_node, done, n)
- ORDER BY r.n
-ON CONFLICT (from_operation_id) DO NOTHING;
+-- name: receipt_writes
+-- planned once, by its keys (custody.receipt_writes in transitions.sql): a receipt batch's
+-- writes in one call, each a jsonb array of row objects (empty where the batch has none):
+-- the receipts' identities, the operations' changes (each operation at most once,
+-- records.fold_updates; each guarded by the status it was judged from: a row changed
+-- under its lock fails the call, CU004, the unit is redone, so that the caller need not
+-- wait for a row count), their finished nodes, the successor intents
+SELECT custody.receipt_writes(%(receipts)s, %(updates)s, %(nodes)s, %(successors)s);
 
 -- name: receipt_instances_claim
 -- planned once, by its keys (custody.receipt_instances_claim in transitions.sql): the

@@ -328,6 +328,40 @@ BEGIN
   END LOOP;
 END $$;
 
+-- A receipt batch's writes in one call, in the order each depends on: the receipts'
+-- identities (each applies at most once), the operations' changes (operation_apply: a row
+-- changed under its lock fails the call, CU004), their finished nodes (node_finish), and
+-- the successor intents (one the receipt consumer activated in this transaction written
+-- done: only pending ones wake the committer). One statement on the unit's way where
+-- these were four (about 65 µs of the worker's client path each).
+CREATE OR REPLACE FUNCTION custody.receipt_writes(
+  p_receipts jsonb, p_updates jsonb, p_nodes jsonb, p_successors jsonb) RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+  INSERT INTO custody.receipt_inbox (receipt_id, operation_id, attempt, owner_revision, status,
+                                     content_hash, decision)
+  SELECT r.receipt_id, r.operation_id, r.attempt, r.owner_revision, r.status, r.content_hash,
+         r.decision
+    FROM jsonb_to_recordset(p_receipts)
+         AS r(receipt_id uuid, operation_id uuid, attempt integer, owner_revision integer,
+              status text, content_hash text, decision text)
+  ON CONFLICT (receipt_id) DO NOTHING;
+  PERFORM custody.operation_apply(p_updates);
+  PERFORM custody.node_finish(p_nodes);
+  INSERT INTO custody.successor_intents (instance_id, from_operation_id, outcome, next_node,
+                                         status, done_at)
+  SELECT r.instance_id, r.from_operation_id, r.outcome, r.next_node,
+         CASE WHEN r.done THEN 'done' ELSE 'pending' END,
+         CASE WHEN r.done THEN now() END
+    FROM ROWS FROM (jsonb_to_recordset(p_successors)
+                    AS (instance_id uuid, from_operation_id uuid, outcome text,
+                        next_node text, done boolean))
+         WITH ORDINALITY AS r(instance_id, from_operation_id, outcome, next_node, done, n)
+   ORDER BY r.n
+  ON CONFLICT (from_operation_id) DO NOTHING;
+END $$;
+
 -- A batch's ends, each only from running, in the batch's order; returns the instances
 -- ended. An end given its history row writes it here, only if it did end the instance: a
 -- unit that writes nothing after its ends need not wait for which ones they were. The
@@ -407,6 +441,7 @@ BEGIN
                            'custody.receipt_instances_claim(uuid[])',
                            'custody.instance_results()',
                            'custody.operation_apply(jsonb)', 'custody.node_finish(jsonb)',
+                           'custody.receipt_writes(jsonb, jsonb, jsonb, jsonb)',
                            'custody.instance_finish(jsonb)',
                            'custody.outbox_mark_dispatched(uuid[], text, text)']::regprocedure[] LOOP
     EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan'
@@ -1054,8 +1089,8 @@ GRANT EXECUTE ON FUNCTION custody.operations_lock(uuid[]),
   custody.revisions_seen(uuid[], integer[], integer[]), custody.receipt_instances_claim(uuid[])
   TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.instance_results() TO custody_committer, custody_receipts;
-GRANT EXECUTE ON FUNCTION custody.operation_apply(jsonb), custody.node_finish(jsonb)
-  TO custody_receipts;
+GRANT EXECUTE ON FUNCTION custody.operation_apply(jsonb), custody.node_finish(jsonb),
+  custody.receipt_writes(jsonb, jsonb, jsonb, jsonb) TO custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.instance_finish(jsonb) TO custody_committer, custody_receipts;
 GRANT EXECUTE ON FUNCTION custody.outbox_mark_dispatched(uuid[], text, text)
   TO custody_committer, custody_receipts, custody_publisher;

@@ -291,14 +291,16 @@ class RoundTrips:
 
 class Statements:
     """Counts the statements every connection sends from now on (``n``), in a pipeline
-    or not: what a unit costs its worker's client path, whether or not it waits."""
+    or not: what a unit costs its worker's client path, whether or not it waits.
+    ``where``: only those sent while it says so (as for :class:`RoundTrips`)."""
 
-    def __init__(self, monkeypatch: Any) -> None:
+    def __init__(self, monkeypatch: Any, where: Callable[[], bool] = lambda: True) -> None:
         self.n = 0
         execute = psycopg.AsyncConnection.execute
 
         async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
-            self.n += 1
+            if where():
+                self.n += 1
             return await execute(conn, *a, **k)
 
         monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)

@@ -704,24 +704,26 @@ KEYED: dict[str, Keyed] = {
             )
         ],
     ),
-    # a batch's changes, each guarded by the status it was judged from
-    "operation_apply": Keyed(
+    # a receipt batch's writes: the operations' changes, each guarded by the status it
+    # was judged from (operation_apply), and their finished nodes (node_finish)
+    "receipt_writes": Keyed(
         {
-            "rows": _batch_rows(
+            "receipts": psycopg.types.json.Jsonb([]),
+            "updates": _batch_rows(
                 id=_OPERATION,
                 expected="pending",
                 status="dispatched",
                 effect="unknown",
                 owner_revision=0,
                 terminal=False,
-            )
+            ),
+            "nodes": _batch_rows(operation_id=_OPERATION, status="done"),
+            "successors": psycopg.types.json.Jsonb([]),
         },
-        [("UPDATE custody.operations o", "operations", "operations_pkey")],
-        writes=True,
-    ),
-    "node_finish": Keyed(
-        {"rows": _batch_rows(operation_id=_OPERATION, status="done")},
-        [("UPDATE custody.node_states n", "node_states", "node_states_operation")],
+        [
+            ("UPDATE custody.operations o", "operations", "operations_pkey"),
+            ("UPDATE custody.node_states n", "node_states", "node_states_operation"),
+        ],
         writes=True,
     ),
     # the ends of a batch's instances: prepared on young tables as one statement, it read

@@ -352,16 +352,20 @@ class ReceiptConsumer:
 async def write(tx: db.Tx, w: Writes) -> None:
     """The batch's writes, in one transaction, in an order that each depends on."""
     await tx.send_many("quarantine_insert", [q.params(db.jsonb) for q in w.quarantine])
-    await tx.send_many("receipt_record", [r.params() for r in w.receipts])
-    # an operation changed under its row lock fails the statement (CU004), and with it
-    # the unit, which is redone: nothing here waits for its row count
-    await tx.send_many(
-        "operation_apply", [u.params(db.jsonb) for u in records.fold_updates(w.updates)]
-    )
     if w.successors:
         faults.crash_point("receipts_between_result_and_successor")
-    await tx.send_many("node_finish", [n.params() for n in w.nodes])
-    await tx.send_many("successor_insert", [s.params() for s in w.successors])
+    if w.receipts or w.updates or w.nodes or w.successors:
+        # one call: an operation changed under its row lock fails it (CU004), and with
+        # it the unit, which is redone: nothing here waits for its row count
+        await tx.send(
+            "receipt_writes",
+            {
+                "receipts": db.jsonb([r.params() for r in w.receipts]),
+                "updates": db.jsonb([u.params(db.jsonb) for u in records.fold_updates(w.updates)]),
+                "nodes": db.jsonb([n.params() for n in w.nodes]),
+                "successors": db.jsonb([s.params() for s in w.successors]),
+            },
+        )
     for event, query in records.INSTANCE_QUERIES.items():
         changes = [c for c in w.instance if c.event is event]
         await tx.send_many(query, [c.params() for c in changes if c.history is None])
