@@ -275,7 +275,8 @@ BEGIN
 END $$;
 
 -- Writes planned once, one row at a time --------------------------------------------------
--- The batch writes on a receipt's way, the ends of instances and the engine's confirm mark
+-- The batch writes on a receipt's way (queries.sql calls receipt_writes, which calls
+-- operation_apply and node_finish), the ends of instances and the engine's confirm mark
 -- (queries.sql calls each by the same name): each row of the batch is written by its own
 -- execution of a statement that names its key (a primary key, or node_states_operation),
 -- planned once per session with the settings below. A statement joined to the whole batch
