@@ -11,10 +11,11 @@ locks were taken.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from typing import LiteralString
+from typing import Any, LiteralString
 
 import psycopg
 import pytest
@@ -35,6 +36,7 @@ from workers import errors
 from workers.core import lifecycle, process, records
 from workers.engine import activate, committer
 from workers.io import broker, db
+from workers.runtime import supervisor
 
 ORDERS = 5
 
@@ -256,6 +258,42 @@ async def test_a_start_whose_instance_is_there_after_all_fails_its_unit_and_writ
         assert failed.value.sqlstate == errors.ROW_CHANGED_SQLSTATE
         assert failed.value.kind is errors.Retry.RETRY
     assert await env.scalar("SELECT count(*) FROM custody.instances") == 1
+
+
+async def test_a_start_whose_insert_finds_its_instance_is_redone_and_made_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The insert guard's path end to end, as the committer's consume loop runs a unit
+    (``supervisor.redo``): a start made already is offered again, and its unit's first
+    read is made to miss the instance once (what the start locks rule out: a read that
+    raced the insert). The insert finds the instance there and fails the unit (CU004),
+    which is redone whole; the second attempt reads the instance and counts the start a
+    duplicate. "Duplicate deliveries never turn into a doubled effect": one instance,
+    one first operation."""
+    async with _committer(env) as c:
+        [made] = _start_deliveries(1)
+        await c.commit_starts([made], [])
+        reads: list[str] = []
+        ask = db.Tx.ask
+
+        async def missing_once(tx: db.Tx, name: str, params: Any = None) -> db.Answer:
+            if name == "instances_get":
+                reads.append(name)
+                if len(reads) == 1:
+                    params = {"ids": []}  # this attempt does not see the instance
+            return await ask(tx, name, params)
+
+        monkeypatch.setattr(db.Tx, "ask", missing_once)
+        await supervisor.redo(
+            lambda: c.commit_starts([made], []),
+            worker="committer",
+            stop=supervisor.Stop(grace_s=5),
+            on_fenced=lambda: asyncio.sleep(0),
+        )
+    assert reads == ["instances_get", "instances_get"], reads  # the unit ran twice
+    assert made[0].ids["outcome"] == "duplicate"
+    assert await env.scalar("SELECT count(*) FROM custody.instances") == 1
+    assert await env.scalar("SELECT count(*) FROM custody.operations") == 1
 
 
 async def test_an_end_a_receipt_makes_writes_its_history_without_a_round_trip_of_its_own(
