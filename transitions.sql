@@ -280,11 +280,12 @@ END $$;
 -- (queries.sql calls each by the same name): each row of the batch is written by its own
 -- execution of a statement that names its key (a primary key, or node_states_operation),
 -- planned once per session with the settings below. A statement joined to the whole batch
--- (a jsonb set) would have to be planned for each execution instead (its generic plan,
--- made on young tables, read the table whole: an index with no key, a nested loop over the
--- batch's 200 rows; 76 and 176 ms a statement in a burst): a tenth to half a millisecond
--- of planning for every light-load receipt, on its way, for a burst's batch of 200 about a
--- millisecond less than these loops (test_query_plans.py; docs/performance.md).
+-- (a jsonb set) would have to be planned for each execution instead: its generic plan,
+-- made on young tables, read the table whole (an index with no key, a nested loop over the
+-- batch's 200 rows; 76 and 176 ms a statement in a burst). Planned for each execution, it
+-- cost every light-load receipt a tenth to half a millisecond on its way; a loop costs a
+-- burst's batch of 200 about a millisecond more than it (test_query_plans.py;
+-- docs/performance.md).
 
 -- A batch's operation changes (each operation at most once: records.fold_updates), each
 -- guarded by the status it was judged from: a change whose row is no longer in that status

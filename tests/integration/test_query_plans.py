@@ -135,6 +135,8 @@ ENGINE_ROWS: list[LiteralString] = [
     f" FROM generate_series(1, {ROWS}) g",
     "INSERT INTO custody.node_states (instance_id, node, activation, operation_id, status)"
     f" SELECT {_id(1)}, 'n', 1, {_id(3)}, 'done' FROM generate_series(1, {ROWS}) g",
+    # the archive a deployment's retention filled (as many instances again, moved there)
+    "INSERT INTO custody_archive.instances SELECT * FROM custody.instances",
 ]
 
 PARTICIPANT_ROWS: list[LiteralString] = [
@@ -370,6 +372,13 @@ BY_KEY: dict[str, tuple[str, str, dict[str, Any]]] = {
         "instances",
         "instances_pkey",
         {"holder": "plan-test", "ttl": 30, "held": False, "limit": 50},
+    ),
+    # the committer's start reads the archived instances of its run: the archive holds
+    # every instance the retention moved, and grows for as long as the deployment runs
+    "start_archived_for": (
+        "instances",
+        "instances_start",
+        {"tenant": ["acme"], "start_request_id": [uuid.uuid4()]},
     ),
     # (the receipts' reads planned once are held to the same: KEYED below)
 }
@@ -823,8 +832,14 @@ def test_a_statement_planned_once_keeps_its_plan_by_keys_while_its_tables_grow(
                 conn.rollback()
         with psycopg.connect(growing, autocommit=True) as other:
             other.execute("SET session_replication_role = replica")  # rows without parents
-            grown: tuple[str, ...] = ("instances ", "operations ", "receipt_inbox ")
-            grown += ("node_states ", "outbox ", "attempts ")
+            grown = (
+                "instances ",
+                "operations ",
+                "receipt_inbox ",
+                "node_states ",
+                "outbox ",
+                "attempts ",
+            )
             for statement in ENGINE_ROWS:
                 if any(f"custody.{t}" in statement for t in grown):
                     other.execute(statement)
