@@ -254,6 +254,19 @@ def test_the_backlog_figure_is_the_median_against_every_rounds_empty_tables() ->
     )
 
 
+def test_the_backlog_at_each_rounds_pace_is_the_median_of_the_rounds_own_corrections() -> None:
+    """Each round's ratio is put at that round's own pace before the median is taken:
+    with paces as far apart as these (600, 800, 900 us against the backlog's 800),
+    neither the median round's ratio at its pace (0.85 x 800/900 = 0.76) nor the
+    median ratio at the median pace (0.85) is the figure."""
+    rounds = [Round(_custody(1100.0, 600.0)), Round(_custody(900.0, 800.0))]
+    rounds.append(Round(_custody(1000.0, 900.0)))
+    raw, paced = backlog_ratios(rounds, _backlog(850.0, 800.0))
+    assert raw == pytest.approx([850 / 1100, 850 / 900, 0.85])
+    assert paced == pytest.approx([850 / 1100 * 800 / 600, 850 / 900, 0.85 * 800 / 900])
+    assert median([x for x in paced if x is not None]) == pytest.approx(850 / 900)
+
+
 def test_one_round_puts_the_backlog_against_its_empty_tables() -> None:
     report = _report(ROUNDS[:1])
     report.custody.append(_backlog(850.0, 880.0))
