@@ -631,7 +631,6 @@ class Report:
                 parts[-1] += f" ({_ratio(ratio * pace)} x at the same machine pace)"
         for c in self.custody:
             if c.backlog is not None:
-                ratio = c.ops_per_s / head.ops_per_s
                 parts.append(
                     f"on a backlog ({c.backlog.finished_ops:,} finished and"
                     f" {c.backlog.pending_ops:,} pending operations already in its tables,"
@@ -655,6 +654,7 @@ class Report:
                             f" ({', '.join(_ratio(x) for x in known)})"
                         )
                     continue
+                ratio = c.ops_per_s / head.ops_per_s
                 parts[-1] += f"**{_ratio(ratio)} x** its empty-table figure"
                 pace = machine_pace(head.cpu, c.cpu)
                 if pace is not None:
