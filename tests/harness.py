@@ -15,7 +15,7 @@ import psycopg
 from participants import samples
 from workers.engine import committer, publisher, receipts, reconciler
 from workers.harness import fleet
-from workers.io import broker, db
+from workers.io import broker, db, flights
 from workers.participant import service
 from workers.runtime import probes, supervisor
 from workers.settings import Settings
@@ -253,57 +253,56 @@ def seed_unknown_operation(
 
 class RoundTrips:
     """Counts the round trips to Postgres of every transaction from now on (``n``),
-    those made in pipeline mode (``db.Database.transaction``): a pipeline's syncs (``db.Tx``
-    waiting for what it sent), the fetches that had to wait for a statement's answer,
-    and the flight that closes the pipeline (with the COMMIT, or the ROLLBACK of a unit
-    that failed inside it). Statements outside a pipeline are not counted. A test that
-    pins how many a unit costs fails when a change adds one. ``where``: only those made
-    while it says so (one worker's units among an in-process fleet's)."""
+    those made in pipeline mode (``db.Database.transaction``, over ``flights.Pipe``):
+    each time a unit sends what it wrote and reads the answers up to there (``db.Tx``
+    waiting for a statement's answer, the flight with the COMMIT, the ROLLBACK of a unit
+    that failed). Statements outside a pipeline are not counted. A test that pins how
+    many a unit costs fails when a change adds one. ``where``: only those made while it
+    says so (one worker's units among an in-process fleet's)."""
 
     def __init__(self, monkeypatch: Any, where: Callable[[], bool] = lambda: True) -> None:
         self.n = 0
-        sync = psycopg.AsyncPipeline.sync
-        exit_ = psycopg.AsyncPipeline.__aexit__
-        fetch = psycopg.AsyncCursor._fetch_pipeline
+        round_trip = flights.Pipe._round_trip
 
-        def count() -> None:
+        async def counted(pipe: flights.Pipe) -> psycopg.Error | None:
             if where():
                 self.n += 1
+            return await round_trip(pipe)
 
-        async def counted_sync(pipeline: psycopg.AsyncPipeline) -> None:
-            count()
-            await sync(pipeline)
-
-        async def counted_exit(pipeline: psycopg.AsyncPipeline, *exc: Any) -> None:
-            count()
-            await exit_(pipeline, *exc)
-
-        async def counted_fetch(cursor: psycopg.AsyncCursor[Any]) -> None:
-            # the condition under which psycopg waits for the answer (no result yet)
-            if cursor.pgresult is None and cursor.connection._pipeline is not None:
-                count()
-            await fetch(cursor)
-
-        monkeypatch.setattr(psycopg.AsyncPipeline, "sync", counted_sync)
-        monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", counted_exit)
-        monkeypatch.setattr(psycopg.AsyncCursor, "_fetch_pipeline", counted_fetch)
+        monkeypatch.setattr(flights.Pipe, "_round_trip", counted)
 
 
 class Statements:
     """Counts the statements every connection sends from now on (``n``), in a pipeline
-    or not: what a unit costs its worker's client path, whether or not it waits.
-    ``where``: only those sent while it says so (as for :class:`RoundTrips`)."""
+    or not (transaction commands included): what a unit costs its worker's client path,
+    whether or not it waits. ``where``: only those sent while it says so (as for
+    :class:`RoundTrips`)."""
 
     def __init__(self, monkeypatch: Any, where: Callable[[], bool] = lambda: True) -> None:
         self.n = 0
         execute = psycopg.AsyncConnection.execute
+        send = flights.Pipe.send
+        control = flights.Pipe.control
 
-        async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
+        def tick() -> None:
             if where():
                 self.n += 1
+
+        async def counted(conn: psycopg.AsyncConnection[Any], *a: Any, **k: Any) -> Any:
+            tick()
             return await execute(conn, *a, **k)
 
+        def counted_send(pipe: flights.Pipe, *a: Any) -> flights.Slot:
+            tick()
+            return send(pipe, *a)
+
+        def counted_control(pipe: flights.Pipe, command: bytes) -> flights.Slot:
+            tick()
+            return control(pipe, command)
+
         monkeypatch.setattr(psycopg.AsyncConnection, "execute", counted)
+        monkeypatch.setattr(flights.Pipe, "send", counted_send)
+        monkeypatch.setattr(flights.Pipe, "control", counted_control)
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from tests.conftest import Env
-from workers.io import db
+from workers.io import db, flights
 
 
 class _HandlerBug(Exception):
@@ -56,10 +56,12 @@ async def _effects_table(env: Env) -> AsyncIterator[psycopg.AsyncConnection[Any]
 async def _batch(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[db.Tx]:
     """The transaction of a batch of handlers, as Database.transaction opens it (in
     pipeline mode); it commits on leaving."""
-    async with conn.pipeline() as pipeline:
-        await conn.execute("BEGIN")
-        yield db.Tx(conn, pipeline)
-        await conn.execute("COMMIT")
+    pipe = flights.Pipe(conn)
+    pipe.control(b"BEGIN")
+    yield db.Tx(pipe)
+    pipe.control(b"COMMIT")
+    await pipe.sync()
+    pipe.close()
 
 
 async def _effects(conn: psycopg.AsyncConnection[Any]) -> list[int]:

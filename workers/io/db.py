@@ -43,8 +43,8 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from workers import errors
 from workers.core import backoff
+from workers.io import flights, startup
 from workers.io import sql as sql_files
-from workers.io import startup
 
 Row = dict[str, Any]
 # What a caller above this layer may catch as a last resort (the CLI's top level: one
@@ -151,19 +151,18 @@ def transient(exc: BaseException) -> bool:
 class Tx:
     """One open transaction; every statement is a named query.
 
-    The transaction runs in libpq's pipeline mode: a statement is sent at once and its
-    answer read only when it is needed. ``rows``, ``one``, ``run`` and ``business``
-    wait for their answer (and so for every statement sent before them); ``send`` and
-    ``send_many`` do not, so the writes at the end of a unit leave in one flight with
-    the fence and the COMMIT (:meth:`Database.transaction`). BEGIN leaves with the
-    first statement. An error of a statement sent without waiting is raised by the
-    next statement that waits, or by the commit: the transaction is rolled back all
-    the same, and nothing it wrote is kept."""
+    The transaction runs in libpq's pipeline mode (:class:`workers.io.flights.Pipe`): a
+    statement is written at once and its answer read only when it is needed. ``rows``,
+    ``one``, ``run`` and ``business`` wait for their answer (and so for every statement
+    written before them: one round trip); ``send`` and ``send_many`` do not, so the
+    writes at the end of a unit leave in one flight with the fence and the COMMIT
+    (:meth:`Database.transaction`). BEGIN leaves with the first statement. An error of
+    a statement sent without waiting is raised by the next statement that waits, or by
+    the commit: the transaction is rolled back all the same, and nothing it wrote is
+    kept."""
 
-    def __init__(self, conn: psycopg.AsyncConnection[Row], pipeline: psycopg.AsyncPipeline) -> None:
-        self._conn = conn
-        self._pipeline = pipeline
-        self._unanswered = False  # statements sent whose answers were not read yet
+    def __init__(self, pipe: flights.Pipe) -> None:
+        self._pipe = pipe
         self._savepoints = 0  # savepoints open (nesting depth)
         self._unreleased: int | None = None  # the depth of a finished, unreleased one
         # statements sent in it so far (savepoint commands included), and how many of
@@ -182,6 +181,16 @@ class Tx:
         # the lease (holder, epoch) its commit is fenced by, if any (Database.transaction)
         self.fenced_by: tuple[str, int | None] | None = None
 
+    @property
+    def _conn(self) -> psycopg.AsyncConnection[Any]:
+        """Its connection (a test traces its protocol through it)."""
+        return self._pipe.connection
+
+    @property
+    def _unanswered(self) -> bool:
+        """Statements were sent whose answers were not read yet."""
+        return self._pipe.unanswered
+
     async def fence(self) -> None:
         """Check the lease now, as the commit will again: sent without waiting, so that
         a statement sent after it is answered only if the lease was still current when
@@ -189,28 +198,22 @@ class Tx:
         a lease."""
         if self.fenced_by is None:
             return
-        await self._conn.execute(_FENCE, self.fenced_by)
-        self._unanswered = True
+        self._pipe.send(_FENCE, self.fenced_by)
 
     async def _answers(self) -> None:
         """Read the answers of everything sent (one round trip): a statement's row
         count and result are there, and a sent statement's error is raised here."""
-        await self._pipeline.sync()
-        self._unanswered = False
+        await self._pipe.sync()
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params)
-        found = await cur.fetchall()
-        self._unanswered = False
-        return found
+        slot = self._pipe.send(_named(name), params)
+        await self._pipe.sync()
+        return slot.rows()
 
     async def one(self, name: str, params: Params = None) -> Row | None:
-        self.statements += 1
-        cur = await self._conn.execute(_q(name), params)
-        found = await cur.fetchone()
-        self._unanswered = False
-        return found
+        found = await self.rows(name, params)
+        return found[0] if found else None
 
     async def ask(self, name: str, params: Params = None) -> Answer:
         """A query sent now whose rows are read later (``await answer.rows()``):
@@ -220,54 +223,47 @@ class Tx:
         unit that needs a statement's rows only once its work is durable (a claim, the
         ids an insert took) costs no round trip of its own."""
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params)
-        self._unanswered = True
-        return Answer(self, cur)
+        return Answer(self, self._pipe.send(_named(name), params))
 
     async def run(self, name: str, params: Params = None) -> int:
         """A statement whose row count is returned (so it waits for its answer)."""
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             return await self.run_many(name, [params])
         self.statements += 1
-        cur = await self._conn.execute(_q(name), params)
-        await self._answers()
-        return cur.rowcount
+        slot = self._pipe.send(_named(name), params)
+        await self._pipe.sync()
+        return slot.rowcount
 
     async def run_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> int:
         """One statement per row (pipelined), or, for a statement that takes
         ``%(rows)s``, one statement for all the rows (a jsonb array of row objects);
         returns the rows changed (so it waits for the answer)."""
-        cur = await self._send_many(name, list(params))
-        if cur is None:
+        slots = self._send_many(name, list(params))
+        if not slots:
             return 0
-        await self._answers()
-        return cur.rowcount
+        await self._pipe.sync()
+        return sum(s.rowcount for s in slots)
 
     async def send(self, name: str, params: Params = None) -> None:
         """A write whose answer nobody reads: sent now, answered with what follows."""
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
-            await self._send_many(name, [params])
+            self._send_many(name, [params])
             return
         self.statements += 1
-        await self._conn.execute(_q(name), params)
-        self._unanswered = True
+        self._pipe.send(_named(name), params)
 
     async def send_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> None:
         """:meth:`run_many` without waiting for the answer (see :meth:`send`)."""
-        await self._send_many(name, list(params))
+        self._send_many(name, list(params))
 
-    async def _send_many(
-        self, name: str, seq: Sequence[Mapping[str, Any]]
-    ) -> psycopg.AsyncCursor[Row] | None:
+    def _send_many(self, name: str, seq: Sequence[Mapping[str, Any]]) -> list[flights.Slot]:
         if not seq:
-            return None
+            return []
         self.statements += 1
-        self._unanswered = True
+        query = _named(name)
         if sql_files.takes_rows(name):
-            return await self._conn.execute(_q(name), {"rows": Jsonb(seq)})
-        cur = self._conn.cursor()
-        await cur.executemany(_q(name), seq)
-        return cur
+            return [self._pipe.send(query, {"rows": Jsonb(seq)})]
+        return [self._pipe.send(query, p) for p in seq]
 
     async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
         """A participant's own SQL on its own tables, inside this transaction.
@@ -281,13 +277,12 @@ class Tx:
         this on, redoes a unit whose such error it cannot place with every handler in a
         savepoint (``workers.participant.service``)."""
         self.statements += 1
-        cur = await self._conn.execute(statement, params)
+        slot = self._pipe.send(flights.compile_query(statement), params)
         if self.defer_writes and returns_nothing(statement):
             self.deferred += 1
-            self._unanswered = True
             return []
-        await self._answers()
-        return await cur.fetchall() if cur.description else []
+        await self._pipe.sync()
+        return slot.rows() if slot.has_rows else []
 
     async def read(self, statement: LiteralString, params: Params = None) -> list[Row]:
         """A participant's own statement that changes nothing, inside this transaction:
@@ -303,17 +298,17 @@ class Tx:
         if not _SELECT.match(statement) or _INTO.search(statement):
             raise ValueError(f"Tx.read takes a SELECT that writes nothing: {statement[:60]!r}")
         self.statements += 1
-        cur = await self._conn.execute(statement, params)
-        await self._answers()
-        rows = await cur.fetchall()
+        slot = self._pipe.send(flights.compile_query(statement), params)
+        await self._pipe.sync()
+        rows = slot.rows()
         self.reads += 1  # answered: it changed nothing
         return rows
 
     async def settle(self) -> None:
         """Wait for the answers of everything sent: an error of a statement sent
         without waiting is raised here."""
-        if self._unanswered:
-            await self._answers()
+        if self._pipe.unanswered:
+            await self._pipe.sync()
 
     @contextlib.asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
@@ -326,26 +321,26 @@ class Tx:
         name = _SAVEPOINTS[depth] if depth < len(_SAVEPOINTS) else None
         if name is None:
             raise errors.CustodyError(f"savepoints nested deeper than {len(_SAVEPOINTS)}")
-        if self._unanswered:
-            await self._answers()
+        if self._pipe.unanswered:
+            await self._pipe.sync()
         if self._unreleased == depth:
-            await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
+            self._pipe.control(b"RELEASE SAVEPOINT " + name)
         self.statements += 1
-        await _control(self._conn, sql.SQL("SAVEPOINT {}").format(name))
+        self._pipe.control(b"SAVEPOINT " + name)
         self._unreleased = None
         self._savepoints = depth + 1
         try:
             yield
             # what was sent inside without waiting is answered inside: its error rolls
             # back this savepoint, like the error of a statement that waited
-            if self._unanswered:
-                await self._answers()
+            if self._pipe.unanswered:
+                await self._pipe.sync()
         except BaseException:
             self._savepoints, self._unreleased = depth, None
-            await _past_error(self._pipeline)
-            await _control(self._conn, sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
-            await _control(self._conn, sql.SQL("RELEASE SAVEPOINT {}").format(name))
-            await self._answers()
+            await self._pipe.drain()
+            self._pipe.control(b"ROLLBACK TO SAVEPOINT " + name)
+            self._pipe.control(b"RELEASE SAVEPOINT " + name)
+            await self._pipe.sync()
             raise
         # released with the next one at this depth, or with everything at commit (a
         # RELEASE of an outer savepoint releases this one too)
@@ -358,46 +353,35 @@ class Answer:
     (they came with the commit's answer; reading them is no I/O). After a transaction
     that did not commit they are refused: its rows were never kept."""
 
-    def __init__(self, tx: Tx, cursor: psycopg.AsyncCursor[Row]) -> None:
+    def __init__(self, tx: Tx, slot: flights.Slot) -> None:
         self._tx = tx
-        self._cursor = cursor
+        self._slot = slot
 
     async def rows(self) -> list[Row]:
         if self._tx.ended and not self._tx.committed:
             # its rows were never kept, and its connection may be another unit's by now
             raise errors.CustodyError("an answer read after its transaction rolled back")
-        found = await self._cursor.fetchall()
-        self._tx._unanswered = False  # reading one answer reads all those before it
-        return found
+        if not self._slot.answered:
+            await self._tx._pipe.sync()  # reading one answer reads all those sent
+        return self._slot.rows()
 
 
 _T = TypeVar("_T")
 
-_BEGIN: Final = sql.SQL("BEGIN")
-_FENCE: Final = "SELECT custody.fence(%s, %s)"
-_COMMIT: Final = sql.SQL("COMMIT")
+_FENCE: Final = flights.compile_query("SELECT custody.fence(%s, %s)")
 _ROLLBACK: Final = sql.SQL("ROLLBACK")
 
 
 async def _control(conn: psycopg.AsyncConnection[Any], statement: sql.SQL | sql.Composed) -> None:
-    """A transaction or savepoint command, never prepared nor counted for preparing:
-    psycopg forgets every prepared statement of the session when it sees a ROLLBACK
-    answer to a statement it counts (and DEALLOCATEs them all), which a failed unit or
-    a handler's failure must not cost."""
+    """A transaction command through psycopg itself (out of pipeline mode), never
+    prepared nor counted for preparing: psycopg forgets every prepared statement of the
+    session when it sees a ROLLBACK answer to a statement it counts."""
     threshold = conn.prepare_threshold
     conn.prepare_threshold = None
     try:
         await conn.execute(statement)
     finally:
         conn.prepare_threshold = threshold
-
-
-async def _past_error(pipeline: psycopg.AsyncPipeline) -> None:
-    """After an error inside a unit (or a savepoint): an error aborts the pipeline
-    until a sync, so read what is left (the statements skipped answer with errors of
-    their own, already said), and what follows, a ROLLBACK, runs."""
-    with contextlib.suppress(psycopg.Error):
-        await pipeline.sync()
 
 
 async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -409,6 +393,18 @@ async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
     ):
         with contextlib.suppress(psycopg.Error):
             await _control(conn, _ROLLBACK)
+
+
+async def _leave(conn: psycopg.AsyncConnection[Any], pipe: flights.Pipe) -> None:
+    """Out of pipeline mode, every answer read, whatever happened in the unit; a
+    connection that cannot be brought back (lost, or left mid-flight) is closed, so the
+    pool drops it rather than lend it in pipeline mode."""
+    try:
+        await pipe.drain()
+        pipe.close()
+    except BaseException:
+        await conn.close()
+        raise
 
 
 _PLAIN_WRITE: Final = re.compile(r"\s*(INSERT|UPDATE|DELETE)\s", re.IGNORECASE)
@@ -427,11 +423,15 @@ def returns_nothing(statement: str) -> bool:
     return _PLAIN_WRITE.match(statement) is not None and _RETURNING.search(statement) is None
 
 
-_SAVEPOINTS: Final = tuple(sql.Identifier(f"custody_sp_{i}") for i in range(8))
+_SAVEPOINTS: Final = tuple(b"custody_sp_%d" % i for i in range(8))
 
 
 def _q(name: str) -> LiteralString:
     return sql_files.query(name)
+
+
+def _named(name: str) -> flights.Query:
+    return flights.compile_query(sql_files.query(name))
 
 
 @dataclass
@@ -570,26 +570,30 @@ class Database:
             async with self._pool.connection() as conn:
                 committing = False
                 try:
-                    # pipeline mode (see Tx), on a connection in autocommit mode so that
-                    # psycopg adds no BEGIN, COMMIT or sync of its own: BEGIN leaves with
-                    # the first statement; the writes sent last, the fence and the
-                    # COMMIT leave together when the pipeline closes, answered in one
-                    # round trip, and an error of any of them is raised there
-                    async with conn.pipeline() as pipeline:
-                        await _control(conn, _BEGIN)
-                        tx = Tx(conn, pipeline)
+                    # pipeline mode (flights.Pipe), on a connection in autocommit mode
+                    # so that psycopg adds no BEGIN, COMMIT or sync of its own: BEGIN
+                    # leaves with the first statement; the writes sent last, the fence
+                    # and the COMMIT leave together, answered in one round trip, and an
+                    # error of any of them is raised there
+                    pipe = flights.Pipe(conn)
+                    try:
+                        pipe.control(b"BEGIN")
+                        tx = Tx(pipe)
                         if lease is not None:
                             tx.fenced_by = (lease.holder, fence_epoch)
                         try:
                             yield tx
                             await tx.fence()  # again, with the COMMIT
                         except BaseException:
-                            await _past_error(pipeline)
-                            await _control(conn, _ROLLBACK)  # answered as it closes
+                            await pipe.drain()
+                            pipe.control(b"ROLLBACK")
                             raise
-                        await _control(conn, _COMMIT)
+                        pipe.control(b"COMMIT")
                         committing = True
-                    tx.committed = True  # the pipeline closed: the COMMIT answered
+                        await pipe.sync()
+                        tx.committed = True  # the COMMIT answered
+                    finally:
+                        await _leave(conn, pipe)
                 except psycopg.Error as exc:
                     await _abandon(conn)
                     error = _translate(exc, during_commit=committing)
