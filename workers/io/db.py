@@ -1,4 +1,5 @@
-"""The one module that talks to Postgres.
+"""The one module that talks to Postgres (with :mod:`workers.io.flights`, the pipeline
+under its transactions).
 
 Queries are named and live in ``queries.sql`` (the engine's) and
 ``participant_queries.sql`` (the participants'), loaded on first use by
