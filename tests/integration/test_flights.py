@@ -13,6 +13,7 @@ the next unit executes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -186,3 +187,151 @@ async def test_a_lost_connection_mid_unit_is_a_retryable_error_and_not_lent_agai
             assert await tx.business("SELECT 2 AS n") == [{"n": 2}]
     finally:
         await database.close()
+
+
+async def test_a_unit_cancelled_while_its_statement_waits_for_a_lock_does_not_wait_for_it(
+    env: Env,
+) -> None:
+    """A timeout around a unit whose statement waits for a row lock ends the unit while
+    the lock is still held: the statement is cancelled on the server and the connection
+    closed, so the waiting backend lets its own locks go, and the pool lends a fresh
+    connection. (Waiting for the answer instead would hold the unit, and a stopping
+    worker, for as long as the lock.)"""
+    url = env.settings.database_url
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as setup:
+        await setup.execute("CREATE TABLE flights_lock (id int PRIMARY KEY, n int)")
+        await setup.execute("INSERT INTO flights_lock VALUES (1, 0)")
+    database = db.Database(url, schema="custody", name="flights-lock", max_size=1)
+    await database.open()
+    holder = await psycopg.AsyncConnection.connect(url)
+    try:
+        await holder.execute("UPDATE flights_lock SET n = n + 1 WHERE id = 1")  # locked
+
+        async def blocked_unit() -> None:
+            async with asyncio.timeout(0.3), database.transaction() as tx:
+                await tx.business("UPDATE flights_lock SET n = n + 10 WHERE id = 1")
+
+        # the lock is held throughout; the bound only turns a hang into a failure
+        task = asyncio.create_task(blocked_unit())
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert task in done, "the cancelled unit waited for the lock"
+        with pytest.raises(TimeoutError):
+            await task
+        waiting = 1
+        for _ in range(50):
+            cur = await holder.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            row = await cur.fetchone()
+            waiting = row[0] if row else 0
+            if waiting == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert waiting == 0, "the cancelled unit's statement still waits for the lock"
+        await holder.commit()
+        async with database.transaction() as tx:
+            rows = await tx.business("SELECT n FROM flights_lock WHERE id = 1")
+        assert rows == [{"n": 1}]  # the cancelled unit kept nothing
+    finally:
+        await holder.close()
+        await database.close()
+
+
+async def test_a_statement_without_parameters_is_sent_as_written(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """As psycopg: a participant's own SQL with a ``%`` and no parameters (a LIKE, a
+    modulo) is not read for placeholders."""
+    pipe = flights.Pipe(conn)
+    like = pipe.send(flights.query("SELECT 'a' LIKE 'a%' AS ok, 5 % 3 AS r", None), None)
+    doubled = pipe.send(flights.query("SELECT '100%%' AS t", None), None)
+    param = pipe.send(flights.query("SELECT '100%%' AS t, %s::int AS n", (1,)), (1,))
+    await pipe.sync()
+    pipe.close()
+    assert like.rows() == [{"ok": True, "r": 2}]
+    assert doubled.rows() == [{"t": "100%%"}]
+    assert param.rows() == [{"t": "100%", "n": 1}]
+
+
+async def test_an_answer_kept_is_readable_after_its_connection_closed(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """An answer read after its unit (``Tx.ask``) may be read after the pool closed the
+    connection (its lifetime over): its rows were loaded as they came, a timestamp's
+    zone included."""
+    pipe = flights.Pipe(conn)
+    slot = pipe.send(flights.query("SELECT now() AS t, %s::int AS n", (7,)), (7,))
+    slot.keep = True
+    await pipe.sync()
+    pipe.close()
+    await conn.close()
+    [row] = slot.rows()
+    assert row["n"] == 7 and row["t"].tzinfo is not None
+
+
+async def test_a_round_trip_cut_short_leaves_its_statements_unanswered(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """After a cancelled round trip the pipe still says its answers are owed, so that
+    ``Tx.settle`` and a savepoint's end read them (and raise their errors) there."""
+    pipe = flights.Pipe(conn)
+    pipe.send(_SLOW, (0.2,))
+    reading = asyncio.create_task(pipe.sync())
+    await asyncio.sleep(0.05)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    assert pipe.unanswered
+    await pipe.sync()
+    assert not pipe.unanswered
+    pipe.close()
+
+
+async def test_a_unit_that_went_on_after_an_error_commits_nothing_and_says_so(
+    env: Env,
+) -> None:
+    """A COMMIT after a statement's error (the unit caught it and went on) is answered
+    ROLLBACK: the transaction raises, it is not said committed, and nothing is kept."""
+    url = env.settings.database_url
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as setup:
+        await setup.execute("CREATE TABLE flights_kept (n int)")
+    database = db.Database(url, schema="custody", name="flights-commit", max_size=1)
+    await database.open()
+    seen: list[db.Tx] = []
+
+    async def unit() -> None:
+        async with database.transaction() as tx:
+            seen.append(tx)
+            await tx.business("INSERT INTO flights_kept VALUES (1)")
+            with contextlib.suppress(psycopg.Error):
+                await tx.business("SELECT 1 / 0")
+
+    try:
+        with pytest.raises(errors.DatabaseError) as raised:
+            await unit()
+        assert raised.value.sqlstate == "25P02"
+        assert not seen[0].committed
+        async with database.transaction() as tx:
+            assert await tx.business("SELECT count(*) AS n FROM flights_kept") == [{"n": 0}]
+    finally:
+        await database.close()
+
+
+async def test_a_statement_whose_table_changed_is_prepared_again(
+    conn: psycopg.AsyncConnection[Any],
+) -> None:
+    """A prepared ``SELECT *`` whose table gained a column fails once ("cached plan must
+    not change result type"); its next use prepares it again and runs."""
+    await conn.execute("CREATE TEMP TABLE flights_shape (a int)")
+    await conn.execute("INSERT INTO flights_shape VALUES (1)")
+    star = flights.query("SELECT * FROM flights_shape WHERE a = %s", (1,))
+    pipe = flights.Pipe(conn)
+    assert await _sync_rows(pipe, star, (1,)) == [{"a": 1}]
+    pipe.close()
+    await conn.execute("ALTER TABLE flights_shape ADD COLUMN b int DEFAULT 2")
+    pipe = flights.Pipe(conn)
+    with pytest.raises(psycopg.errors.FeatureNotSupported):
+        await _sync_rows(pipe, star, (1,))
+    assert await _sync_rows(pipe, star, (1,)) == [{"a": 1, "b": 2}]
+    pipe.close()

@@ -208,7 +208,7 @@ class Tx:
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         self.statements += 1
-        slot = self._pipe.send(_named(name), params)
+        slot = self._pipe.send(_named(name, params), params)
         await self._pipe.sync()
         return slot.rows()
 
@@ -224,14 +224,16 @@ class Tx:
         unit that needs a statement's rows only once its work is durable (a claim, the
         ids an insert took) costs no round trip of its own."""
         self.statements += 1
-        return Answer(self, self._pipe.send(_named(name), params))
+        slot = self._pipe.send(_named(name, params), params)
+        slot.keep = True  # its rows loaded as they come: it may be read after the unit
+        return Answer(self, slot)
 
     async def run(self, name: str, params: Params = None) -> int:
         """A statement whose row count is returned (so it waits for its answer)."""
         if sql_files.takes_rows(name) and isinstance(params, Mapping):
             return await self.run_many(name, [params])
         self.statements += 1
-        slot = self._pipe.send(_named(name), params)
+        slot = self._pipe.send(_named(name, params), params)
         await self._pipe.sync()
         return slot.rowcount
 
@@ -243,7 +245,7 @@ class Tx:
         if not slots:
             return 0
         await self._pipe.sync()
-        return sum(s.rowcount for s in slots)
+        return sum(max(s.rowcount, 0) for s in slots)
 
     async def send(self, name: str, params: Params = None) -> None:
         """A write whose answer nobody reads: sent now, answered with what follows."""
@@ -251,7 +253,7 @@ class Tx:
             self._send_many(name, [params])
             return
         self.statements += 1
-        self._pipe.send(_named(name), params)
+        self._pipe.send(_named(name, params), params)
 
     async def send_many(self, name: str, params: Iterable[Mapping[str, Any]]) -> None:
         """:meth:`run_many` without waiting for the answer (see :meth:`send`)."""
@@ -261,10 +263,9 @@ class Tx:
         if not seq:
             return []
         self.statements += 1
-        query = _named(name)
         if sql_files.takes_rows(name):
-            return [self._pipe.send(query, {"rows": Jsonb(seq)})]
-        return [self._pipe.send(query, p) for p in seq]
+            return [self._pipe.send(_named(name, seq), {"rows": Jsonb(seq)})]
+        return [self._pipe.send(_named(name, p), p) for p in seq]
 
     async def business(self, statement: LiteralString, params: Params = None) -> list[Row]:
         """A participant's own SQL on its own tables, inside this transaction.
@@ -278,7 +279,7 @@ class Tx:
         this on, redoes a unit whose such error it cannot place with every handler in a
         savepoint (``workers.participant.service``)."""
         self.statements += 1
-        slot = self._pipe.send(flights.compile_query(statement), params)
+        slot = self._pipe.send(flights.query(statement, params), params)
         if self.defer_writes and returns_nothing(statement):
             self.deferred += 1
             return []
@@ -299,7 +300,7 @@ class Tx:
         if not _SELECT.match(statement) or _INTO.search(statement):
             raise ValueError(f"Tx.read takes a SELECT that writes nothing: {statement[:60]!r}")
         self.statements += 1
-        slot = self._pipe.send(flights.compile_query(statement), params)
+        slot = self._pipe.send(flights.query(statement, params), params)
         await self._pipe.sync()
         rows = slot.rows()
         self.reads += 1  # answered: it changed nothing
@@ -397,15 +398,43 @@ async def _abandon(conn: psycopg.AsyncConnection[Any]) -> None:
 
 
 async def _leave(conn: psycopg.AsyncConnection[Any], pipe: flights.Pipe) -> None:
-    """Out of pipeline mode, every answer read, whatever happened in the unit; a
-    connection that cannot be brought back (lost, or left mid-flight) is closed, so the
-    pool drops it rather than lend it in pipeline mode."""
+    """Out of pipeline mode, every answer read, no transaction open, whatever happened
+    in the unit; a connection that cannot be brought back (lost, left mid-flight, or
+    still in its transaction: a second cancellation skipped its ROLLBACK) is closed, so
+    the pool drops it (and Postgres rolls its transaction back) rather than lend it."""
+    if conn.closed:
+        return
     try:
         await pipe.drain()
         pipe.close()
     except BaseException:
         await conn.close()
         raise
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        await conn.close()
+
+
+async def _give_up(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A unit cancelled while Postgres is still working for it (a statement waiting
+    for a lock, a server gone silent): its statement is cancelled on the server (at
+    most :data:`CANCEL_TIMEOUT_S`) and the connection closed, so Postgres rolls the
+    transaction back and lets its locks go; the cancelled unit does not wait for
+    answers nobody will read (as psycopg does for a cancelled query)."""
+    try:
+        with contextlib.suppress(Exception):
+            await conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
+    finally:
+        await conn.close()
+
+
+def _committed(commit: flights.Slot) -> None:
+    """A COMMIT of a transaction that had failed is answered ROLLBACK: nothing was kept
+    (a unit that went on after catching a statement's error)."""
+    status = commit.result.command_status if commit.result is not None else None
+    if status != b"COMMIT":
+        raise psycopg.errors.InFailedSqlTransaction(
+            f"the COMMIT was answered {status!r}: the transaction had failed, nothing was kept"
+        )
 
 
 _PLAIN_WRITE: Final = re.compile(r"\s*(INSERT|UPDATE|DELETE)\s", re.IGNORECASE)
@@ -431,8 +460,8 @@ def _q(name: str) -> LiteralString:
     return sql_files.query(name)
 
 
-def _named(name: str) -> flights.Query:
-    return flights.compile_query(sql_files.query(name))
+def _named(name: str, params: object) -> flights.Query:
+    return flights.query(sql_files.query(name), params)
 
 
 @dataclass
@@ -467,6 +496,8 @@ def login_refused(message: str) -> bool:
 
 # how long a stopping worker tries to give its lease back (Database.release)
 RELEASE_TIMEOUT_S = 2.0
+# how long a cancelled unit waits for Postgres to take its statement's cancel request
+CANCEL_TIMEOUT_S: Final = 1.0
 
 
 class Database:
@@ -585,14 +616,21 @@ class Database:
                         try:
                             yield tx
                             await tx.fence()  # again, with the COMMIT
+                        except asyncio.CancelledError:
+                            if pipe.waiting:  # its statements may run for long yet
+                                await _give_up(conn)
+                            else:
+                                pipe.control(b"ROLLBACK")
+                            raise
                         except BaseException:
                             await pipe.drain()
                             pipe.control(b"ROLLBACK")
                             raise
-                        pipe.control(b"COMMIT")
+                        commit = pipe.control(b"COMMIT")
                         committing = True
                         await pipe.sync()
-                        tx.committed = True  # the COMMIT answered
+                        _committed(commit)
+                        tx.committed = True  # the COMMIT answered COMMIT
                     finally:
                         await _leave(conn, pipe)
                 except psycopg.Error as exc:

@@ -45,6 +45,8 @@ _ABORTED: Final = pq.ExecStatus.PIPELINE_ABORTED
 _SYNC: Final = pq.ExecStatus.PIPELINE_SYNC
 _COMMAND_OK: Final = pq.ExecStatus.COMMAND_OK
 _TUPLES_OK: Final = pq.ExecStatus.TUPLES_OK
+_NO_SUCH_STATEMENT: Final = "26000"  # invalid_sql_statement_name
+_PLAN_CHANGED: Final = "0A000"  # "cached plan must not change result type"
 
 # psycopg's placeholders: %s, %b, %t, %(name)s (…b, …t) and %% (a literal %)
 _PLACEHOLDER: Final = re.compile(r"%(?:\(([^)]+)\))?(.)", re.DOTALL)
@@ -61,6 +63,8 @@ class Query:
     formats: tuple[PyFormat, ...]
 
     def values(self, params: Mapping[str, Any] | Sequence[Any] | None) -> Sequence[Any]:
+        if isinstance(params, (str, bytes)):
+            raise TypeError("query parameters must be a sequence or a mapping, not a string")
         if self.names is None:
             if params is None:
                 params = ()
@@ -111,20 +115,38 @@ def compile_query(query: str) -> Query:
             out.append(f"${names[name]}")
         if positional and named:
             raise psycopg.ProgrammingError("positional and named placeholders cannot be mixed")
+    if "%" in query[cur:]:
+        raise psycopg.ProgrammingError("incomplete placeholder: a '%' at the end of the query")
     out.append(query[cur:])
     return Query("".join(out).encode(), tuple(names) if named else None, tuple(formats))
+
+
+@functools.lru_cache(maxsize=1024)
+def _verbatim(query: str) -> Query:
+    return Query(query.encode(), None, ())
+
+
+def query(text: str, params: object) -> Query:
+    """``text`` as libpq takes it with ``params``: as psycopg does, a statement sent
+    without parameters (None) is sent as it is written, ``%`` and all."""
+    return _verbatim(text) if params is None else compile_query(text)
 
 
 class Slot:
     """The answer of one statement sent: there once its flight's sync was read."""
 
-    __slots__ = ("_pipe", "aborted", "failed", "result")
+    __slots__ = ("_pipe", "aborted", "failed", "keep", "key", "loaded", "result")
 
-    def __init__(self, pipe: Pipe) -> None:
+    def __init__(self, pipe: Pipe, key: _Key | None) -> None:
         self._pipe = pipe
+        self.key = key  # its prepared statement's, if it ran one
         self.result: pq.abc.PGresult | None = None
         self.aborted = False  # skipped: an earlier statement of its flight failed
         self.failed = False  # its own error (the one raised by the flight's sync)
+        # rows loaded as they arrive, for an answer read after its connection went
+        # back to the pool (a loader may need the connection: a timestamptz's zone)
+        self.keep = False
+        self.loaded: list[dict[str, Any]] | None = None
 
     @property
     def answered(self) -> bool:
@@ -147,6 +169,8 @@ class Slot:
     def rows(self) -> list[dict[str, Any]]:
         """Its rows as dicts (column name → value, loaded by the connection's
         adapters); none for a statement that returns none."""
+        if self.loaded is not None:
+            return self.loaded
         r = self.result
         if r is None or r.status != _TUPLES_OK:
             if self.aborted or self.failed:
@@ -155,12 +179,15 @@ class Slot:
         return self._pipe.load(r)
 
 
+_Key = tuple[bytes, tuple[int, ...]]  # a statement's text and its parameters' types
+
+
 class _Prepare:
     """A statement's preparation, sent before its first execution."""
 
     __slots__ = ("key",)
 
-    def __init__(self, key: tuple[bytes, tuple[int, ...]]) -> None:
+    def __init__(self, key: _Key) -> None:
         self.key = key
 
 
@@ -170,7 +197,7 @@ class _Prepared:
     __slots__ = ("made", "names")
 
     def __init__(self) -> None:
-        self.names: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self.names: dict[_Key, bytes] = {}
         self.made = 0  # names given so far (a name is never given twice)
 
 
@@ -201,6 +228,7 @@ class Pipe:
         self._statements = 0  # statements (not commands) written since the last sync
         self._unsynced = False  # something was written since the last sync was
         self._syncs = 0  # syncs sent whose answer was not read yet
+        self._error: psycopg.Error | None = None  # the first error read, not raised yet
         self._prepared = _PREPARED.setdefault(conn, _Prepared())
         self._pg.enter_pipeline_mode()
         self.open = True
@@ -208,8 +236,14 @@ class Pipe:
     @property
     def unanswered(self) -> bool:
         """Statements were written whose answers were not read (a command written by
-        :meth:`control` alone does not count: it leaves with what follows)."""
-        return self._statements > 0
+        :meth:`control` alone does not count: it leaves with what follows), or a round
+        trip was cut short."""
+        return self._statements > 0 or self._syncs > 0
+
+    @property
+    def waiting(self) -> bool:
+        """Anything was sent, or written, whose answer was not read."""
+        return bool(self._pending) or self._syncs > 0
 
     def send(self, query: Query, params: Mapping[str, Any] | Sequence[Any] | None) -> Slot:
         values = query.values(params)
@@ -233,7 +267,7 @@ class Pipe:
             )
         else:
             pg.send_query_prepared(name, dumped or None, param_formats=formats)
-        slot = Slot(self)
+        slot = Slot(self, None if name is None else key)
         self._pending.append(slot)
         self._statements += 1
         self._unsynced = True
@@ -242,7 +276,7 @@ class Pipe:
     def control(self, command: bytes) -> Slot:
         """A command without parameters, never prepared (BEGIN, COMMIT, SAVEPOINT …)."""
         self._pg.send_query_params(command, None)
-        slot = Slot(self)
+        slot = Slot(self, None)
         self._pending.append(slot)
         self._unsynced = True
         return slot
@@ -278,7 +312,6 @@ class Pipe:
         """Sync what was written (unless a sync already follows it: a round trip cut
         short, by a cancellation, is finished first) and read up to the last sync."""
         pg = self._pg
-        self._statements = 0
         if self._unsynced:
             pg.pipeline_sync()
             self._syncs += 1
@@ -286,7 +319,6 @@ class Pipe:
         while pg.flush():
             await self._ready(write=True)
             pg.consume_input()
-        error: psycopg.Error | None = None
         pending = self._pending
         while True:
             pg.consume_input()
@@ -303,24 +335,41 @@ class Pipe:
                 if status == _SYNC:
                     self._syncs -= 1
                     if self._syncs == 0:
+                        self._statements = 0
+                        error, self._error = self._error, None
                         return error
                     continue
                 item = pending.popleft()
                 if isinstance(item, _Prepare):
                     if status != _COMMAND_OK:
                         self._prepared.names.pop(item.key, None)
-                        if status == _FATAL and error is None:
-                            error = pg_errors.error_from_result(r, encoding=self._encoding)
+                        if status == _FATAL:
+                            self._failed(r)
                     continue
                 if status == _FATAL:
                     item.failed = True
-                    if error is None:
-                        error = pg_errors.error_from_result(r, encoding=self._encoding)
+                    self._failed(r, item.key)
                 elif status == _ABORTED:
                     item.aborted = True
                 else:
                     item.result = r
+                    if item.keep and status == _TUPLES_OK:
+                        item.loaded = self.load(r)
             await self._ready(write=False)
+
+    def _failed(self, r: pq.abc.PGresult, key: _Key | None = None) -> None:
+        """A statement's error: kept to be raised (the first of its flight). A prepared
+        statement the server no longer has (someone said DEALLOCATE or DISCARD), or whose
+        plan cannot serve it any more (a table it reads changed its columns), is
+        prepared again at its next use."""
+        error = pg_errors.error_from_result(r, encoding=self._encoding)
+        if self._error is None:
+            self._error = error
+        if key is not None:
+            if error.sqlstate == _NO_SUCH_STATEMENT:
+                self._prepared.names.clear()
+            elif error.sqlstate == _PLAN_CHANGED:
+                self._prepared.names.pop(key, None)
 
     async def _ready(self, *, write: bool) -> None:
         """Wait until the socket can be read (or, with ``write``, written)."""
