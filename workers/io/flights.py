@@ -284,7 +284,7 @@ class Pipe:
     async def sync(self) -> None:
         """Send what was written and read every answer up to here; the first error among
         them is raised (the statements after it were skipped, and are marked so)."""
-        if not self._pending and not self._syncs:
+        if not self.waiting:
             return
         error = await self._round_trip()
         if error is not None:
@@ -293,7 +293,7 @@ class Pipe:
     async def drain(self) -> None:
         """:meth:`sync`, its errors not raised (they were raised already, or do not
         matter now: the transaction is being rolled back)."""
-        if self._pending or self._syncs:
+        if self.waiting:
             await self._round_trip()
 
     def close(self) -> None:
