@@ -187,11 +187,6 @@ class Tx:
         """Its connection (a test traces its protocol through it)."""
         return self._pipe.connection
 
-    @property
-    def _unanswered(self) -> bool:
-        """Statements were sent whose answers were not read yet."""
-        return self._pipe.unanswered
-
     async def fence(self) -> None:
         """Check the lease now, as the commit will again: sent without waiting, so that
         a statement sent after it is answered only if the lease was still current when
@@ -200,11 +195,6 @@ class Tx:
         if self.fenced_by is None:
             return
         self._pipe.send(_FENCE, self.fenced_by)
-
-    async def _answers(self) -> None:
-        """Read the answers of everything sent (one round trip): a statement's row
-        count and result are there, and a sent statement's error is raised here."""
-        await self._pipe.sync()
 
     async def rows(self, name: str, params: Params = None) -> list[Row]:
         self.statements += 1
