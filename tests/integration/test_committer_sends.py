@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import psycopg
+import pytest
 
 from tests.conftest import Env, wait_until
 from tests.harness import (
@@ -342,3 +343,72 @@ async def _true(value: bool) -> bool:
 
 async def _is_published(env: Env, i: str) -> bool:
     return await env.scalar("SELECT status FROM custody.outbox WHERE id = %s", (i,)) == "published"
+
+
+async def test_a_handed_over_submit_is_on_the_wire_before_the_committing_unit_goes_on(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14, light load ("a few fsync'd commits and two broker hops"): a submit
+    handed over to a sender that waits for work is written to the broker's socket
+    before ``hand_over`` returns, so the committing unit's tail (its acks, metrics and
+    logs) runs after it, not in front of it; every hop of an operation's way waited for
+    that tail. Nothing else moves: the publish still follows the commit, and the row is
+    marked published only after the broker's confirm ("Broker confirmation | The
+    configured broker accepted the publication under its transport policy")."""
+    holder = "committer-test"
+    [row_id] = ids = [str(uuid.uuid4())]
+    [row] = await _claimed(env, holder, ids)
+    written: list[bytes] = []
+    real = asyncio.selector_events._SelectorSocketTransport.write  # type: ignore[attr-defined]
+
+    def recorded(self: Any, data: Any) -> None:
+        written.append(bytes(data))
+        real(self, data)
+
+    async with (
+        client(env.settings, "hand-over") as amqp,
+        role_database(env.settings.database_url, "custody_publisher") as database,
+    ):
+        publisher = await amqp.publisher(window=8, timeout_s=10, user_id=None)
+        await publisher._ready()  # its channel open, as a running worker's is
+        sender = OutboxPublisher(
+            owner="engine",
+            database=database,
+            lease=None,
+            publisher=publisher,
+            batch_size=10,
+            claim_ttl_s=60,
+            engine=True,
+            worker="committer",
+        )
+        sender.holder = holder
+        stop = supervisor.Stop(grace_s=1)
+        waker = supervisor.Waker(poll_s=30)
+
+        async def nothing() -> None:
+            return None
+
+        loop = asyncio.create_task(outbox.loop(sender, stop, waker, nothing, "committer"))
+        try:
+            await wait_until(
+                lambda: _true(sender._looping), timeout=5, what="the sender waiting for work"
+            )
+            monkeypatch.setattr(
+                asyncio.selector_events._SelectorSocketTransport,  # type: ignore[attr-defined]
+                "write",
+                recorded,
+            )
+            await sender.hand_over([row])
+            on_the_wire = any(row_id.encode() in w for w in written)
+            monkeypatch.undo()
+            assert on_the_wire, "the handed-over submit was not written before hand_over returned"
+            # marked only once confirmed, as before
+            await wait_until(lambda: _is_published(env, row_id), timeout=5, what="its mark")
+        finally:
+            monkeypatch.undo()
+            stop.event.set()
+            waker.kick()
+            await asyncio.wait_for(loop, 5)
+        await sender.release_handed()
+    got = await drain(env.settings, QUEUE, timeout=1.0)
+    assert [d.message_id for d in got] == [row_id]

@@ -200,4 +200,4 @@ async def hand(
     mine = {r["id"] for r in await queued.rows()}
     if mine:
         faults.crash_point("after_commit_before_send")
-    sender.hand([p.outbox for p in plans if p.outbox["id"] in mine])
+    await sender.hand_over([p.outbox for p in plans if p.outbox["id"] in mine])

@@ -952,7 +952,11 @@ class Publisher:
                 raise
             return [Outcome(i.message_id, False, f"channel: {exc}") for i in items]
         assert isinstance(underlay, aiormq.Channel)
-        if self._envelope_max < 2 or len(items) < 2:
+        if len(items) == 1:
+            # a lone publish is queued for the writer from this task's own turn, not
+            # from a task of its own one turn later (light load: every publish)
+            return [await self._one(underlay, items[0])]
+        if self._envelope_max < 2:
             return list(await asyncio.gather(*(self._one(underlay, i) for i in items)))
         messages = self._envelopes(items)
         sent = await asyncio.gather(*(self._one(underlay, m, ct) for m, ct, _ in messages))

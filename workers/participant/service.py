@@ -894,7 +894,7 @@ class Participant:
             if self.sender is None:
                 queued.claimable = queued.claimable or bool(mine)
             else:
-                self.sender.hand([r for r in queued.offered if r["id"] in mine])
+                await self.sender.hand_over([r for r in queued.offered if r["id"] in mine])
         if queued.claimable:
             self.outbox_due = True
 
