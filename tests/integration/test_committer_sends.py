@@ -352,9 +352,9 @@ async def test_a_handed_over_submit_is_on_the_wire_before_the_committing_unit_go
     handed over to a sender that waits for work is written to the broker's socket
     before ``hand_over`` returns, so the committing unit's tail (its acks, metrics and
     logs) runs after it, not in front of it; every hop of an operation's way waited for
-    that tail. Nothing else moves: the publish still follows the commit, and the row is
-    marked published only after the broker's confirm ("Broker confirmation | The
-    configured broker accepted the publication under its transport policy")."""
+    that tail. The row, committed before it was handed over, is then marked published
+    by the sender once the broker confirmed it ("Broker confirmation | The configured
+    broker accepted the publication under its transport policy")."""
     holder = "committer-test"
     [row_id] = ids = [str(uuid.uuid4())]
     [row] = await _claimed(env, holder, ids)

@@ -1041,6 +1041,53 @@ async def test_an_inline_batch_is_accepted_in_two_round_trips_and_hands_its_rece
     assert claimed == [("test-sender",)]
 
 
+async def test_the_crash_point_before_the_receipt_is_sent_comes_before_its_publish(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Participant completion: The business effect and terminal receipt are
+    authoritative", under the fault that kills a participant after the effect and its
+    receipt committed but before the receipt left (tests/acceptance/
+    test_commit_boundaries.py, ``make chaos``): that fault must be reached before the
+    receipt's publish starts. Handed over to a sender that waits for work, the receipt
+    leaves within the hand-over (``OutboxPublisher.hand_over``), so the crash point comes
+    before it; after it, the kill would test a receipt already sent."""
+    release = submit(operation="inventory.release")
+    published: list[str] = []
+    at_crash_point: list[list[str]] = []
+
+    class Recorder:
+        async def publish_many(self, items: Sequence[broker.Outgoing]) -> list[broker.Outcome]:
+            published.extend(i.message_id for i in items)
+            return [broker.Outcome(i.message_id, True) for i in items]
+
+    def crash_point(name: str) -> None:
+        if name == "after_effect_before_receipt_sent":
+            at_crash_point.append(list(published))
+
+    monkeypatch.setattr(service.faults, "crash_point", crash_point)
+    async with _inline(env, samples.HANDLERS["inventory"], {"inventory.release"}) as (
+        participant,
+        _,
+    ):
+        sender = OutboxPublisher(
+            owner="inventory",
+            database=cast(db.Database, None),
+            lease=None,
+            publisher=cast(broker.Publisher, Recorder()),
+            batch_size=50,
+            claim_ttl_s=60.0,
+            engine=False,
+        )
+        sender.holder = "test-sender"
+        sender._looping = True  # its loop waits for work: a hand-over sends at once
+        participant.sender = sender
+        assert await _accept(env, participant, [release]) == ["accepted"]
+        for _ in range(5):
+            await asyncio.sleep(0)
+    assert at_crash_point == [[]], "the crash point came after the receipt's publish"
+    assert len(published) == 1, "the receipt was sent, from the hand-over"
+
+
 async def _bad_write(call: Call) -> None:
     """A write that fails (a release's quantity is NOT NULL), sent without waiting: its
     error is raised later, by a statement that is not its handler's."""

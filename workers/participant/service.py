@@ -484,9 +484,9 @@ class Participant:
                 )
         if left_for_executor:
             self.executor_due = True
-        await self._queued(queued)
-        if done:
+        if done:  # before the hand-over: the receipts leave within it (hand_over)
             faults.crash_point("after_effect_before_receipt_sent")
+        await self._queued(queued)
         faults.crash_point("after_commit_before_ack")
         for decision in decisions:
             metrics.PARTICIPANT_COMMANDS.labels(self.me.owner, decision).inc()
@@ -879,9 +879,9 @@ class Participant:
                     request_id=[r.request_id for r, _ in receipts],
                     status=[r.status for r, _ in receipts],
                 )
-        await self._queued(queued)
-        if receipts:
+        if receipts:  # before the hand-over: the receipts leave within it (hand_over)
             faults.crash_point("after_effect_before_receipt_sent")
+        await self._queued(queued)
         return done, conflicted
 
     async def _queued(self, queued: Queued) -> None:

@@ -80,8 +80,9 @@ async def run(
                             on_fenced=on_fenced,
                             dead=dead,
                         )
-                        # one turn of the loop first: the publishes its commit started
-                        # (OutboxPublisher.hand) leave ahead of its acks
+                        # one turn of the loop first: what its commit set going (a
+                        # sender's wake-up) runs ahead of its acks; a publish handed to
+                        # an idle sender is on the wire already (OutboxPublisher.hand_over)
                         await asyncio.sleep(0)
                         await broker.ack_all(batch)  # a dead-lettered one is settled already
                     after_commit()

@@ -112,7 +112,12 @@ class OutboxPublisher:
         loop: one for the publish to queue its frames, one for the connection's writer to
         write them. The committing unit's own tail (its acks, its metrics and logs) then
         runs with the submit or receipt already on the wire, not before it: at light
-        load, every hop of an operation's way waited for that tail."""
+        load, every hop of an operation's way waited for that tail.
+
+        The caller's crash points "before the send" come before this call. A stop that
+        cancels the caller in these two turns cancels a unit that committed and did not
+        ack: its deliveries come again and are deduplicated, and the rows handed over
+        are settled by the sender's loop or given back (:meth:`release_handed`)."""
         before = self._early
         self.hand(rows)
         if self._early is not None and self._early is not before:
