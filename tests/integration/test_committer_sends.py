@@ -23,6 +23,7 @@ between a transition and its dispatch any more. What must not move:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -188,8 +189,11 @@ async def _claimed(env: Env, holder: str, ids: Sequence[str]) -> list[dict[str, 
     ]
 
 
-def _sender(database: db.Database, recorder: _Recorder, holder: str, ttl: float) -> OutboxPublisher:
-    """An engine sender of ``holder``'s claims that records what it publishes."""
+def _sender(
+    database: db.Database, recorder: _Recorder | broker.Publisher, holder: str, ttl: float
+) -> OutboxPublisher:
+    """An engine sender of ``holder``'s claims that publishes through ``recorder`` (one
+    that records what it publishes, or the broker's)."""
     sender = OutboxPublisher(
         owner="engine",
         database=database,
@@ -202,6 +206,30 @@ def _sender(database: db.Database, recorder: _Recorder, holder: str, ttl: float)
     )
     sender.holder = holder
     return sender
+
+
+@contextlib.asynccontextmanager
+async def _waiting(
+    sender: OutboxPublisher,
+) -> AsyncIterator[tuple[supervisor.Stop, supervisor.Waker, asyncio.Task[None]]]:
+    """The sender's loop, running and waiting for work (a hand-over sends at once); its
+    stop and its task, ended on the way out."""
+    stop = supervisor.Stop(grace_s=1)
+    waker = supervisor.Waker(poll_s=30)
+
+    async def nothing() -> None:
+        return None
+
+    loop = asyncio.create_task(outbox.loop(sender, stop, waker, nothing, "committer"))
+    try:
+        await wait_until(
+            lambda: _true(sender._looping), timeout=5, what="the sender waiting for work"
+        )
+        yield stop, waker, loop
+    finally:
+        stop.event.set()
+        waker.kick()
+        await asyncio.wait_for(loop, 5)
 
 
 async def test_a_submit_handed_over_half_a_claim_ago_is_left_to_the_publishers_claim(
@@ -305,17 +333,7 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
         assert recorder.sent == [idle_id]
         assert await status(idle_id) == ("published", None)
 
-        stop = supervisor.Stop(grace_s=1)
-        waker = supervisor.Waker(poll_s=30)
-
-        async def nothing() -> None:
-            return None
-
-        loop = asyncio.create_task(outbox.loop(sender, stop, waker, nothing, "committer"))
-        try:
-            await wait_until(
-                lambda: _true(sender._looping), timeout=5, what="the sender waiting for work"
-            )
+        async with _waiting(sender) as (stop, waker, loop):
             sender.hand([waiting])
             await asyncio.sleep(0)  # one turn: the sender's own wake-up takes several
             assert recorder.sent == [idle_id, waiting_id]
@@ -328,10 +346,6 @@ async def test_a_submit_handed_to_a_waiting_sender_leaves_at_once_and_is_marked_
             sender.hand([stopped])  # sent at once, while the stop is under way
             waker.kick()
             await loop
-        finally:
-            stop.event.set()
-            waker.kick()
-            await asyncio.wait_for(loop, 5)
         await sender.release_handed()
     assert recorder.sent == [idle_id, waiting_id, stopped_id]
     assert await status(stopped_id) == ("published", None)
@@ -371,28 +385,8 @@ async def test_a_handed_over_submit_is_on_the_wire_before_the_committing_unit_go
     ):
         publisher = await amqp.publisher(window=8, timeout_s=10, user_id=None)
         await publisher._ready()  # its channel open, as a running worker's is
-        sender = OutboxPublisher(
-            owner="engine",
-            database=database,
-            lease=None,
-            publisher=publisher,
-            batch_size=10,
-            claim_ttl_s=60,
-            engine=True,
-            worker="committer",
-        )
-        sender.holder = holder
-        stop = supervisor.Stop(grace_s=1)
-        waker = supervisor.Waker(poll_s=30)
-
-        async def nothing() -> None:
-            return None
-
-        loop = asyncio.create_task(outbox.loop(sender, stop, waker, nothing, "committer"))
-        try:
-            await wait_until(
-                lambda: _true(sender._looping), timeout=5, what="the sender waiting for work"
-            )
+        sender = _sender(database, publisher, holder, 60)
+        async with _waiting(sender):
             monkeypatch.setattr(
                 asyncio.selector_events._SelectorSocketTransport,  # type: ignore[attr-defined]
                 "write",
@@ -404,11 +398,6 @@ async def test_a_handed_over_submit_is_on_the_wire_before_the_committing_unit_go
             assert on_the_wire, "the handed-over submit was not written before hand_over returned"
             # marked only once confirmed, as before
             await wait_until(lambda: _is_published(env, row_id), timeout=5, what="its mark")
-        finally:
-            monkeypatch.undo()
-            stop.event.set()
-            waker.kick()
-            await asyncio.wait_for(loop, 5)
         await sender.release_handed()
     got = await drain(env.settings, QUEUE, timeout=1.0)
     assert [d.message_id for d in got] == [row_id]
