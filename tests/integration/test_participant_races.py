@@ -1013,17 +1013,7 @@ async def test_an_inline_batch_is_accepted_in_two_round_trips_and_hands_its_rece
         participant,
         transactions,
     ):
-        sender = Sender(
-            owner="inventory",
-            database=cast(db.Database, None),
-            lease=None,
-            publisher=cast(broker.Publisher, None),
-            batch_size=50,
-            claim_ttl_s=60.0,
-            engine=False,
-        )
-        sender.holder = "test-sender"
-        participant.sender = sender
+        sender = _own_sender(participant, Sender)
         trips = RoundTrips(monkeypatch)
         assert await _accept(env, participant, releases) == ["accepted"] * len(releases)
         assert trips.n == 2, f"{trips.n} round trips"
@@ -1069,23 +1059,34 @@ async def test_the_crash_point_before_the_receipt_is_sent_comes_before_its_publi
         participant,
         _,
     ):
-        sender = OutboxPublisher(
-            owner="inventory",
-            database=cast(db.Database, None),
-            lease=None,
-            publisher=cast(broker.Publisher, Recorder()),
-            batch_size=50,
-            claim_ttl_s=60.0,
-            engine=False,
-        )
-        sender.holder = "test-sender"
+        sender = _own_sender(participant, OutboxPublisher, Recorder())
         sender._looping = True  # its loop waits for work: a hand-over sends at once
-        participant.sender = sender
         assert await _accept(env, participant, [release]) == ["accepted"]
         for _ in range(5):
             await asyncio.sleep(0)
     assert at_crash_point == [[]], "the crash point came after the receipt's publish"
     assert len(published) == 1, "the receipt was sent, from the hand-over"
+
+
+def _own_sender(
+    participant: service.Participant,
+    kind: type[OutboxPublisher],
+    publisher: object = None,
+) -> OutboxPublisher:
+    """The participant's own publisher of its receipts (holder ``test-sender``), of
+    ``kind``, publishing through ``publisher`` (none: nothing is sent), set on it."""
+    sender = kind(
+        owner="inventory",
+        database=cast(db.Database, None),
+        lease=None,
+        publisher=cast(broker.Publisher, publisher),
+        batch_size=50,
+        claim_ttl_s=60.0,
+        engine=False,
+    )
+    sender.holder = "test-sender"
+    participant.sender = sender
+    return sender
 
 
 async def _bad_write(call: Call) -> None:
